@@ -1,0 +1,99 @@
+"""An independent float64 numpy implementation of ToMe SD's matching, merge and unmerge, written with plain loops
+where that makes the math obvious. Tests compare the Paddle core against it."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+
+def reference_partition_top_left(h: int, w: int, sx: int, sy: int):
+    """dst = top-left token of every full sy x sx cell, in cell order; src = the rest, increasing."""
+    dst = []
+    for cy in range(h // sy):
+        for cx in range(w // sx):
+            dst.append(cy * sy * w + cx * sx)
+    dst_set = set(dst)
+    src = [p for p in range(h * w) if p not in dst_set]
+    return np.array(src, dtype=np.int64), np.array(dst, dtype=np.int64)
+
+
+@dataclass
+class ReferencePlan:
+    src: np.ndarray  # [Ns] grid positions
+    dst: np.ndarray  # [Nd]
+    r: int
+    unmerged: list  # per item: src slots kept, in order
+    merged: list  # per item: src slots merged, in order
+    target: list  # per item: dst slot of each merged src
+    similarity: list  # per item: best cosine similarity of every src slot
+
+
+def reference_plan(metric: np.ndarray, src: np.ndarray, dst: np.ndarray, r: int) -> ReferencePlan:
+    metric = metric.astype(np.float64)
+    r = min(r, len(src))
+    unmerged, merged, target, sims = [], [], [], []
+    for item in metric:
+        norms = np.linalg.norm(item, axis=-1, keepdims=True)
+        unit = item / np.maximum(norms, 1e-6)
+        scores = unit[src] @ unit[dst].T
+        best_dst = scores.argmax(axis=-1)
+        best = scores.max(axis=-1)
+        order = np.argsort(-best, kind="stable")
+        unmerged.append(order[r:])
+        merged.append(order[:r])
+        target.append(best_dst[order[:r]])
+        sims.append(best)
+    return ReferencePlan(src, dst, r, unmerged, merged, target, sims)
+
+
+def reference_merge(x: np.ndarray, plan: ReferencePlan) -> np.ndarray:
+    x = x.astype(np.float64)
+    out = []
+    for b, item in enumerate(x):
+        dst_sum = item[plan.dst].copy()
+        count = np.ones(len(plan.dst))
+        for slot, j in zip(plan.merged[b], plan.target[b]):
+            dst_sum[j] += item[plan.src[slot]]
+            count[j] += 1
+        kept = item[plan.src[plan.unmerged[b]]]
+        out.append(np.concatenate([kept, dst_sum / count[:, None]], axis=0))
+    return np.stack(out)
+
+
+def reference_round_trip(x: np.ndarray, plan: ReferencePlan) -> np.ndarray:
+    """unmerge(merge(x)): unmerged tokens keep their value, dst and merged src get the dst's mean."""
+    merged = reference_merge(x, plan)
+    n_kept = len(plan.src) - plan.r
+    out = np.zeros(x.shape, dtype=np.float64)
+    for b in range(x.shape[0]):
+        for row, slot in enumerate(plan.unmerged[b]):
+            out[b, plan.src[slot]] = merged[b, row]
+        for j, pos in enumerate(plan.dst):
+            out[b, pos] = merged[b, n_kept + j]
+        for slot, j in zip(plan.merged[b], plan.target[b]):
+            out[b, plan.src[slot]] = merged[b, n_kept + j]
+    return out
+
+
+def min_margin(metric: np.ndarray, src: np.ndarray, dst: np.ndarray, r: int) -> float:
+    """Smallest gap that decides the matching: between the best and second-best dst of every src, and between
+    the r-th and (r+1)-th most similar src. Inputs with a large margin are tie-free for float32 arithmetic."""
+    plan = reference_plan(metric, src, dst, r)
+    margins = [math.inf]
+    for b, item in enumerate(metric.astype(np.float64)):
+        unit = item / np.maximum(np.linalg.norm(item, axis=-1, keepdims=True), 1e-6)
+        scores = np.sort(unit[src] @ unit[dst].T, axis=-1)
+        if scores.shape[1] > 1:
+            margins.append(float((scores[:, -1] - scores[:, -2]).min()))
+        best = np.sort(plan.similarity[b])[::-1]
+        if 0 < plan.r < len(best):
+            margins.append(float(best[plan.r - 1] - best[plan.r]))
+    return min(margins)
+
+
+def sort_rows(a: np.ndarray) -> np.ndarray:
+    """Rows of each batch item in lexicographic order, to compare merged outputs up to row order."""
+    return np.stack([item[np.lexsort(item.T[::-1])] for item in a])

@@ -1,0 +1,291 @@
+"""The pure merge core (ppdiffusers_tome/merge.py) against the float64 numpy reference in numpy_reference.py."""
+
+import math
+
+import numpy as np
+import paddle
+import pytest
+
+from ppdiffusers_tome.merge import (
+    MergePlan,
+    bipartite_soft_matching_random2d,
+    compute_dtype,
+    find_downsample,
+    grid_partition,
+    max_ratio,
+)
+from tests.numpy_reference import (
+    min_margin,
+    reference_merge,
+    reference_partition_top_left,
+    reference_plan,
+    reference_round_trip,
+    sort_rows,
+)
+
+F32_TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def tie_free_metric(seed, batch, h, w, channels, src, dst, r):
+    """Random metric whose matching decisions are separated by more than float32 noise (redrawn otherwise)."""
+    rng = np.random.default_rng(seed)
+    for _ in range(50):
+        metric = rng.standard_normal((batch, h * w, channels)).astype(np.float32)
+        if min_margin(metric, src, dst, r) > 2e-6:  # float32 cosine error is ~1e-7
+            return metric
+    raise AssertionError("could not draw a tie-free metric")
+
+
+def partition_of(plan):
+    return plan.src_pos.numpy(), plan.dst_pos.numpy()
+
+
+CASES = [
+    # batch, h, w, sx, sy, r, no_rand
+    (2, 8, 8, 2, 2, 32, True),
+    (1, 9, 11, 2, 2, 40, True),
+    (3, 7, 5, 2, 2, 10, False),
+    (2, 6, 9, 3, 2, 25, False),
+    (2, 16, 12, 2, 2, 96, False),
+    (2, 5, 13, 1, 2, 20, True),
+    (1, 4, 4, 2, 2, 1, False),
+]
+
+
+@pytest.mark.parametrize("batch,h,w,sx,sy,r,no_rand", CASES)
+def test_merge_and_round_trip_match_numpy_reference(batch, h, w, sx, sy, r, no_rand):
+    src, dst = grid_partition(h, w, sx, sy, no_rand=no_rand, generator=7)
+    metric = tie_free_metric(1, batch, h, w, 12, src, dst, r)
+    x = np.random.default_rng(2).standard_normal((batch, h * w, 5)).astype(np.float32)
+
+    plan = bipartite_soft_matching_random2d(paddle.to_tensor(metric), w, h, sx, sy, r, no_rand=no_rand, generator=7)
+    got_src, got_dst = partition_of(plan)
+    if no_rand:
+        ref_src, ref_dst = reference_partition_top_left(h, w, sx, sy)
+        np.testing.assert_array_equal(got_src, ref_src)
+        np.testing.assert_array_equal(got_dst, ref_dst)
+    ref = reference_plan(metric, got_src, got_dst, r)
+
+    merge, unmerge = plan
+    merged = merge(paddle.to_tensor(x)).numpy()
+    assert merged.shape == (batch, h * w - ref.r, 5)
+    np.testing.assert_allclose(sort_rows(merged), sort_rows(reference_merge(x, ref)), **F32_TOL)
+    round_trip = unmerge(merge(paddle.to_tensor(x))).numpy()
+    np.testing.assert_allclose(round_trip, reference_round_trip(x, ref), **F32_TOL)
+
+
+def test_r_is_capped_at_the_number_of_src_tokens():
+    h, w = 6, 6
+    metric = paddle.to_tensor(np.random.default_rng(0).standard_normal((2, 36, 8)).astype(np.float32))
+    plan = bipartite_soft_matching_random2d(metric, w, h, 2, 2, r=1000, no_rand=True)
+    assert plan.r == 27  # 36 tokens, 9 dst
+    merge, unmerge = plan
+    assert merge(metric).shape == [2, 9, 8]
+    assert unmerge(merge(metric)).shape == [2, 36, 8]
+
+
+@pytest.mark.parametrize("r", [0, -3])
+def test_non_positive_r_gives_identities(r):
+    x = paddle.randn([2, 16, 4])
+    plan = bipartite_soft_matching_random2d(x, 4, 4, 2, 2, r)
+    merge, unmerge = plan
+    assert plan.is_identity and plan.r == 0
+    assert merge(x) is x and unmerge(x) is x
+
+
+def test_grid_without_any_full_cell_is_identity():
+    x = paddle.randn([1, 7, 4])  # a 1 x 7 grid has no 2 x 2 cell, so no dst
+    merge, unmerge = bipartite_soft_matching_random2d(x, 7, 1, 2, 2, 3)
+    assert merge(x) is x and unmerge(x) is x
+
+
+def test_random_partition_has_one_dst_per_cell_and_leftovers_are_src():
+    h, w, sx, sy = 7, 9, 2, 3
+    seen_slots = set()
+    for seed in range(30):
+        src, dst = grid_partition(h, w, sx, sy, no_rand=False, generator=seed)
+        assert sorted(np.concatenate([src, dst]).tolist()) == list(range(h * w))
+        rows, cols = dst // w, dst % w
+        cells = list(zip((rows // sy).tolist(), (cols // sx).tolist()))
+        assert len(set(cells)) == len(cells) == (h // sy) * (w // sx)
+        assert rows.max() < (h // sy) * sy and cols.max() < (w // sx) * sx  # leftover rows/columns hold no dst
+        seen_slots.update(zip((rows % sy).tolist(), (cols % sx).tolist()))
+    assert seen_slots == {(dy, dx) for dy in range(sy) for dx in range(sx)}
+
+
+def test_random_partition_is_reproducible_from_its_generator():
+    a = grid_partition(8, 8, 2, 2, no_rand=False, generator=np.random.default_rng(5))
+    b = grid_partition(8, 8, 2, 2, no_rand=False, generator=5)
+    c = grid_partition(8, 8, 2, 2, no_rand=False, generator=6)
+    np.testing.assert_array_equal(a[1], b[1])
+    assert not np.array_equal(a[1], c[1])
+
+
+def test_random_plan_does_not_touch_paddles_global_rng():
+    x = paddle.randn([2, 64, 8])
+    paddle.seed(123)
+    expected = paddle.randn([4]).numpy()
+    paddle.seed(123)
+    bipartite_soft_matching_random2d(x, 8, 8, 2, 2, 32, no_rand=False)
+    bipartite_soft_matching_random2d(x, 8, 8, 2, 2, 32, no_rand=False, generator=3)
+    np.testing.assert_array_equal(paddle.randn([4]).numpy(), expected)
+
+
+def test_all_zero_tokens_give_finite_outputs():
+    metric = np.random.default_rng(0).standard_normal((2, 64, 8)).astype(np.float32)
+    metric[0, ::3] = 0.0
+    metric[1] = 0.0
+    x = np.random.default_rng(1).standard_normal((2, 64, 8)).astype(np.float32)
+    merge, unmerge = bipartite_soft_matching_random2d(paddle.to_tensor(metric), 8, 8, 2, 2, 40, generator=0)
+    out = unmerge(merge(paddle.to_tensor(x))).numpy()
+    assert np.isfinite(out).all()
+    assert np.isfinite(merge(paddle.to_tensor(metric)).numpy()).all()
+
+
+def test_ties_are_handled_sanely():
+    # every token points the same way: all similarities tie; the plan must still merge r tokens, each into a
+    # dst, and averaging identical tokens must give them back exactly
+    direction = np.random.default_rng(0).standard_normal(8).astype(np.float32)
+    scales = np.random.default_rng(1).uniform(0.5, 2.0, size=(2, 64, 1)).astype(np.float32)
+    metric = paddle.to_tensor(scales * direction)
+    plan = bipartite_soft_matching_random2d(metric, 8, 8, 2, 2, 40, generator=0)
+    merge, unmerge = plan
+    assert merge(metric).shape == [2, 24, 8]
+    dst = set(plan.dst_pos.numpy().tolist())
+    assert set(plan.merged_into.numpy().reshape(-1).tolist()) <= dst
+    assert len(set(plan.merged_pos.numpy()[0].tolist())) == 40 and not set(plan.merged_pos.numpy()[0].tolist()) & dst
+    same = paddle.to_tensor(np.tile(direction, (2, 64, 1)))
+    np.testing.assert_array_equal(unmerge(merge(same)).numpy(), same.numpy())
+
+
+def test_each_merged_token_joins_its_most_similar_dst():
+    metric = np.random.default_rng(4).standard_normal((2, 100, 6)).astype(np.float32)
+    plan = bipartite_soft_matching_random2d(paddle.to_tensor(metric), 10, 10, 2, 2, 50, generator=1)
+    unit = metric / np.linalg.norm(metric, axis=-1, keepdims=True)
+    dst = plan.dst_pos.numpy()
+    for b in range(2):
+        for pos, into in zip(plan.merged_pos.numpy()[b], plan.merged_into.numpy()[b]):
+            sims = unit[b, dst] @ unit[b, pos]
+            assert unit[b, into] @ unit[b, pos] >= sims.max() - 1e-5
+
+
+def test_batch_items_are_planned_independently():
+    metric = paddle.randn([3, 64, 8])
+    x = paddle.randn([3, 64, 5])
+    full = bipartite_soft_matching_random2d(metric, 8, 8, 2, 2, 30, generator=9)
+    alone = bipartite_soft_matching_random2d(metric[1:2], 8, 8, 2, 2, 30, generator=9)
+    np.testing.assert_allclose(
+        full.unmerge(full.merge(x)).numpy()[1], alone.unmerge(alone.merge(x[1:2])).numpy()[0], **F32_TOL
+    )
+
+
+def test_identical_tokens_merge_exactly():
+    x = paddle.to_tensor(np.full((2, 64, 8), 0.3, dtype=np.float32))
+    metric = paddle.randn([2, 64, 8])
+    merge, unmerge = bipartite_soft_matching_random2d(metric, 8, 8, 2, 2, 48, generator=0)
+    np.testing.assert_array_equal(merge(x).numpy(), np.full((2, 16, 8), 0.3, dtype=np.float32))
+    np.testing.assert_array_equal(unmerge(merge(x)).numpy(), x.numpy())
+
+
+def test_sum_mode_adds_instead_of_averaging():
+    metric = paddle.randn([1, 16, 4])
+    x = paddle.to_tensor(np.random.default_rng(0).uniform(1, 2, (1, 16, 3)).astype(np.float32))
+    merge, _ = bipartite_soft_matching_random2d(metric, 4, 4, 2, 2, 8, no_rand=True)
+    np.testing.assert_allclose(merge(x, mode="sum").numpy().sum(), x.numpy().sum(), rtol=1e-5)
+    with pytest.raises(ValueError, match="mode"):
+        merge(x, mode="max")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_precision_inputs_keep_their_dtype_and_match_float32(dtype):
+    metric = paddle.randn([2, 64, 8])
+    x = paddle.randn([2, 64, 8])
+    x_half = x.astype(dtype)
+    plan_half = bipartite_soft_matching_random2d(metric.astype(dtype), 8, 8, 2, 2, 32, generator=2)
+    plan_ref = bipartite_soft_matching_random2d(metric.astype(dtype).astype("float32"), 8, 8, 2, 2, 32, generator=2)
+    merged = plan_half.merge(x_half)
+    assert merged.dtype == x_half.dtype
+    assert plan_half.unmerge(merged).dtype == x_half.dtype
+    expected = plan_ref.unmerge(plan_ref.merge(x_half.astype("float32"))).numpy()
+    tol = 1e-2 if dtype == "bfloat16" else 1e-3
+    np.testing.assert_allclose(plan_half.unmerge(merged).astype("float32").numpy(), expected, rtol=tol, atol=tol)
+
+
+def test_compute_dtype_promotes_only_half_types():
+    assert compute_dtype(paddle.float16) == "float32"
+    assert compute_dtype(paddle.bfloat16) == "float32"
+    assert compute_dtype(paddle.float32) == "float32"
+    assert compute_dtype(paddle.float64) == "float64"
+
+
+def test_float64_inputs_stay_float64():
+    metric = paddle.randn([1, 16, 4], dtype="float64")
+    merge, unmerge = bipartite_soft_matching_random2d(metric, 4, 4, 2, 2, 6, no_rand=True)
+    assert merge(metric).dtype == paddle.float64 and unmerge(merge(metric)).dtype == paddle.float64
+
+
+def test_shape_errors_are_clear():
+    x = paddle.randn([2, 16, 4])
+    with pytest.raises(ValueError, match="h \\* w"):
+        bipartite_soft_matching_random2d(x, 5, 4, 2, 2, 4)
+    merge, unmerge = bipartite_soft_matching_random2d(x, 4, 4, 2, 2, 4)
+    with pytest.raises(ValueError, match="merge expects"):
+        merge(paddle.randn([2, 15, 4]))
+    with pytest.raises(ValueError, match="unmerge expects"):
+        unmerge(paddle.randn([2, 16, 4]))
+
+
+def test_plan_unpacks_as_merge_unmerge_pair():
+    plan = bipartite_soft_matching_random2d(paddle.randn([1, 16, 4]), 4, 4, 2, 2, 4)
+    assert isinstance(plan, MergePlan) and len(plan) == 2
+    merge, unmerge = plan
+    assert merge == plan.merge and unmerge == plan.unmerge
+
+
+def test_max_ratio():
+    assert max_ratio(2, 2) == 0.75 and max_ratio(1, 1) == 0.0 and math.isclose(max_ratio(3, 2), 5 / 6)
+
+
+def _tomesd_downsample(h, w, n):
+    return int(math.ceil(math.sqrt(h * w // n)))
+
+
+def test_find_downsample_is_right_for_every_sd_size_and_level():
+    tomesd_wrong = 0
+    for px_h in range(256, 1025, 8):
+        for px_w in range(256, 1025, 8):
+            h, w = px_h // 8, px_w // 8
+            for d in (1, 2, 4, 8):
+                n = math.ceil(h / d) * math.ceil(w / d)
+                assert find_downsample(h, w, n) == d, (h, w, d)
+                if d == 8 and _tomesd_downsample(h, w, n) != d:
+                    tomesd_wrong += 1
+    assert tomesd_wrong > 0  # the reason this function exists
+
+
+def test_find_downsample_for_odd_latent_and_unknown_counts():
+    assert find_downsample(9, 11, 4) == 8
+    assert _tomesd_downsample(9, 11, 4) == 5  # tomesd picks a 2 x 3 grid for 4 tokens and crashes
+    assert find_downsample(9, 11, 99) == 1
+    assert find_downsample(9, 11, 30) == 2
+    assert find_downsample(64, 64, 77) is None
+
+
+@pytest.mark.parametrize("h,w", [(9, 11), (13, 7), (33, 45), (64, 96)])
+def test_plans_at_every_level_of_odd_latents_match_reference(h, w):
+    for d in (1, 2, 4, 8):
+        gh, gw = math.ceil(h / d), math.ceil(w / d)
+        n = gh * gw
+        assert find_downsample(h, w, n) == d
+        src, dst = grid_partition(gh, gw, 2, 2, no_rand=True)
+        r = int(n * 0.5)
+        if len(dst) == 0:  # e.g. a 2 x 1 grid: no full cell, nothing to merge into
+            x = paddle.randn([2, n, 8])
+            assert bipartite_soft_matching_random2d(x, gw, gh, 2, 2, r).merge(x) is x
+            continue
+        metric = tie_free_metric(d, 2, gh, gw, 8, src, dst, r)
+        merge, unmerge = bipartite_soft_matching_random2d(paddle.to_tensor(metric), gw, gh, 2, 2, r, no_rand=True)
+        ref = reference_plan(metric, src, dst, r)
+        np.testing.assert_allclose(
+            unmerge(merge(paddle.to_tensor(metric))).numpy(), reference_round_trip(metric, ref), **F32_TOL
+        )
