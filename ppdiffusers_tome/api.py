@@ -1,0 +1,219 @@
+"""Public surface: ``apply_tome`` / ``remove_tome`` for pipelines, UNets and ControlNets, and the methods that
+``import ppdiffusers_tome`` puts on ppdiffusers' ``DiffusionPipeline`` and ``ModelMixin``."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Dict, List, Optional, Tuple
+
+import paddle
+from ppdiffusers import DiffusionPipeline, ModelMixin
+
+from .config import ToMeConfig
+from .patch import ModelPatch, find_blocks, get_patch, remove_builtin_tome
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["apply_tome", "remove_tome", "tome_config", "tome_stats", "install_methods", "uninstall_methods"]
+
+# components of a pipeline that never get ToMe, whatever they contain
+_SKIPPED_COMPONENTS = ("vae", "vqvae", "text_encoder", "tokenizer", "safety_checker", "feature_extractor", "image_encoder")
+
+
+def _is_multi_controlnet(obj: Any) -> bool:
+    return type(obj).__name__ == "MultiControlNetModel" and isinstance(getattr(obj, "nets", None), paddle.nn.LayerList)
+
+
+def _bad_input(obj: Any) -> ValueError:
+    return ValueError(
+        "apply_tome/remove_tome expects a ppdiffusers DiffusionPipeline, a model (UNet2DConditionModel, "
+        f"ControlNetModel, MultiControlNetModel) or a non-empty list/tuple of models; got "
+        f"{type(obj).__module__}.{type(obj).__qualname__}"
+    )
+
+
+def _expand(obj: Any, name: str, strict: bool) -> List[Tuple[str, paddle.nn.Layer]]:
+    """The layers inside ``obj`` that are patched on their own (a MultiControlNet is patched net by net).
+    With ``strict``, anything that is not a layer raises; otherwise it is skipped (tokenizers, schedulers)."""
+    if _is_multi_controlnet(obj):
+        return [(f"{name}.nets.{i}", net) for i, net in enumerate(obj.nets)]
+    if isinstance(obj, (list, tuple)):
+        return [item for i, sub in enumerate(obj) for item in _expand(sub, f"{name}[{i}]", strict)]
+    if isinstance(obj, paddle.nn.Layer):
+        return [(name, obj)]
+    if strict:
+        raise _bad_input(obj)
+    return []
+
+
+def _targets(obj: Any, for_apply: bool) -> List[Tuple[str, paddle.nn.Layer]]:
+    """Resolve what ``obj`` means: every model to patch, as ``(name, model)``. Raises ValueError on bad input."""
+    if isinstance(obj, DiffusionPipeline):
+        found = []
+        for name, component in obj.components.items():
+            if not name.startswith(_SKIPPED_COMPONENTS):
+                found.extend(_expand(component, name, strict=False))
+        targets = [(n, m) for n, m in found if find_blocks(m)]
+        if for_apply and not targets:
+            raise ValueError(
+                f"{type(obj).__name__} has no component with transformer blocks (looked at: "
+                f"{', '.join(n for n, _ in found) or 'nothing'}); ToMe needs a UNet or ControlNet with attention"
+            )
+        return targets
+    if not isinstance(obj, (paddle.nn.Layer, list, tuple)):
+        raise _bad_input(obj)
+    layers = _expand(obj, type(obj).__name__, strict=True)
+    if not layers:
+        raise _bad_input(obj)
+    if for_apply:
+        empty = [n for n, m in layers if not find_blocks(m)]
+        if empty:
+            raise ValueError(
+                f"{', '.join(empty)} has no transformer blocks (BasicTransformerBlock); apply ToMe to the "
+                "pipeline, its unet or its controlnet, not to the VAE or a text encoder"
+            )
+    return layers
+
+
+def apply_tome(
+    obj: Any,
+    ratio: float = 0.5,
+    max_downsample: int = 1,
+    sx: int = 2,
+    sy: int = 2,
+    use_rand: bool = True,
+    merge_attn: bool = True,
+    merge_crossattn: bool = False,
+    merge_mlp: bool = False,
+    seed: int = 0,
+) -> Any:
+    """Patch a pipeline, a UNet, a ControlNet (single or multi) or a list of them with ToMe; returns ``obj``.
+
+    Every model in ``obj`` that holds transformer blocks gets its own patch (the VAE and text encoders never do).
+    Applying again replaces the previous settings (twice is the same as once); a model patched by ppdiffusers'
+    built-in ``apply_tome`` is cleaned first. Arguments are validated before anything is touched (see
+    :class:`ToMeConfig` for their meaning and ranges); bad input raises ``ValueError`` and leaves ``obj`` as it was.
+
+    Example:
+        >>> import ppdiffusers_tome
+        >>> from ppdiffusers_tome.testing import tiny_sd_pipeline
+        >>> pipe = tiny_sd_pipeline()
+        >>> pipe = ppdiffusers_tome.apply_tome(pipe, ratio=0.5)   # or: pipe.apply_tome(ratio=0.5)
+        >>> ppdiffusers_tome.tome_config(pipe.unet).ratio
+        0.5
+        >>> pipe = ppdiffusers_tome.remove_tome(pipe)
+    """
+    config = ToMeConfig(
+        ratio=ratio,
+        max_downsample=max_downsample,
+        sx=sx,
+        sy=sy,
+        use_rand=use_rand,
+        merge_attn=merge_attn,
+        merge_crossattn=merge_crossattn,
+        merge_mlp=merge_mlp,
+        seed=seed,
+    )
+    targets = _targets(obj, for_apply=True)
+    installed: List[ModelPatch] = []
+    try:
+        for name, model in targets:
+            _unpatch(model)
+            installed.append(ModelPatch.install(model, config))
+            logger.debug("ToMe applied to %s (%d blocks): %s", name, len(installed[-1].blocks), config)
+    except BaseException:
+        for patch in installed:
+            patch.remove()
+        raise
+    return obj
+
+
+def _unpatch(model: paddle.nn.Layer) -> None:
+    patch = get_patch(model)
+    if patch is not None:
+        patch.remove()
+    if remove_builtin_tome(model):
+        logger.info("removed ppdiffusers' built-in ToMe patch from %s", type(model).__name__)
+
+
+def remove_tome(obj: Any) -> Any:
+    """Remove ToMe (this package's, and ppdiffusers' built-in one) from ``obj``; a no-op when nothing is applied.
+
+    Returns ``obj``, whose models then compute exactly what they computed before ``apply_tome``.
+
+    Example:
+        >>> import ppdiffusers_tome
+        >>> from ppdiffusers_tome.testing import tiny_unet
+        >>> unet = ppdiffusers_tome.remove_tome(tiny_unet())   # nothing applied: nothing happens
+        >>> ppdiffusers_tome.tome_config(unet) is None
+        True
+    """
+    for _, model in _targets(obj, for_apply=False):
+        _unpatch(model)
+    return obj
+
+
+def tome_config(model: Any) -> Optional[ToMeConfig]:
+    """The :class:`ToMeConfig` applied to ``model`` by this package, or ``None``."""
+    patch = get_patch(model)
+    return patch.config if patch is not None else None
+
+
+def tome_stats(obj: Any) -> Dict[str, Dict[str, int]]:
+    """Counters per patched model of ``obj``: ``blocks`` patched, forward ``calls`` seen and sub-layer ``merges``
+    run on merged tokens (all since ``apply_tome``)."""
+    stats = {}
+    for name, model in _targets(obj, for_apply=False):
+        patch = get_patch(model)
+        if patch is not None:
+            stats[name] = {"blocks": len(patch.blocks), "calls": patch.state.calls, "merges": patch.state.merges}
+    return stats
+
+
+# methods on ppdiffusers classes ---------------------------------------------------------------------------------
+def _apply_method(
+    self,
+    ratio: float = 0.5,
+    max_downsample: int = 1,
+    sx: int = 2,
+    sy: int = 2,
+    use_rand: bool = True,
+    merge_attn: bool = True,
+    merge_crossattn: bool = False,
+    merge_mlp: bool = False,
+    seed: int = 0,
+):
+    return apply_tome(self, ratio, max_downsample, sx, sy, use_rand, merge_attn, merge_crossattn, merge_mlp, seed)
+
+
+def _remove_method(self):
+    return remove_tome(self)
+
+
+_apply_method.__doc__ = apply_tome.__doc__
+_remove_method.__doc__ = remove_tome.__doc__
+_apply_method.__name__, _remove_method.__name__ = "apply_tome", "remove_tome"
+
+_METHOD_OWNERS = (DiffusionPipeline, ModelMixin)
+_saved_methods: Dict[Tuple[type, str], Any] = {}
+
+
+def install_methods() -> None:
+    """Make ``apply_tome``/``remove_tome`` methods of ``DiffusionPipeline`` and ``ModelMixin`` call this package
+    (taking precedence over ppdiffusers' built-in port). Runs on ``import ppdiffusers_tome``; idempotent."""
+    for owner in _METHOD_OWNERS:
+        for name, method in (("apply_tome", _apply_method), ("remove_tome", _remove_method)):
+            if (owner, name) not in _saved_methods:
+                _saved_methods[(owner, name)] = owner.__dict__.get(name)
+            setattr(owner, name, method)
+
+
+def uninstall_methods() -> None:
+    """Put back whatever ``DiffusionPipeline``/``ModelMixin`` had before :func:`install_methods`."""
+    for (owner, name), previous in _saved_methods.items():
+        if previous is None:
+            if name in owner.__dict__:
+                delattr(owner, name)
+        else:
+            setattr(owner, name, previous)
+    _saved_methods.clear()

@@ -1,0 +1,273 @@
+"""Small ppdiffusers pipelines built from configs with random weights, for tests, examples and the offline demo.
+
+Nothing here downloads anything: the CLIP tokenizer is built from a byte-level vocabulary written on the fly, and
+every model is created from a config. The layouts keep what matters to ToMe: SD-style pipelines have transformer
+blocks at the full latent resolution, the SDXL-style UNet (like the real one) has none at its first level.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from typing import Any, Dict, Optional, Sequence
+
+import paddle
+
+__all__ = [
+    "tiny_tokenizer",
+    "tiny_text_encoder",
+    "tiny_unet",
+    "tiny_vae",
+    "tiny_controlnet",
+    "tiny_sd_pipeline",
+    "tiny_controlnet_pipeline",
+    "tiny_sdxl_pipeline",
+    "sd_unet_config",
+]
+
+TEXT_HIDDEN = 32
+
+
+def _byte_symbols() -> list:
+    """The 256 printable stand-ins that byte-level BPE uses for the bytes 0..255."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    symbols, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            symbols[byte] = chr(byte)
+        else:
+            symbols[byte] = chr(256 + extra)
+            extra += 1
+    return [symbols[b] for b in range(256)]
+
+
+def write_tokenizer_files(folder: str) -> Dict[str, str]:
+    """Write a minimal CLIP ``vocab.json`` and ``merges.txt`` (bytes, their word-final forms, two special
+    tokens, no merges) into ``folder`` and return their paths."""
+    symbols = _byte_symbols()
+    vocab = {}
+    for token in symbols + [s + "</w>" for s in symbols] + ["<|startoftext|>", "<|endoftext|>"]:
+        vocab.setdefault(token, len(vocab))
+    paths = {"vocab_file": os.path.join(folder, "vocab.json"), "merges_file": os.path.join(folder, "merges.txt")}
+    with open(paths["vocab_file"], "w", encoding="utf-8") as f:
+        json.dump(vocab, f, ensure_ascii=False)
+    with open(paths["merges_file"], "w", encoding="utf-8") as f:
+        f.write("#version: 0.2\n")
+    return paths
+
+
+def tiny_tokenizer(max_length: int = 16):
+    """A working offline ``CLIPTokenizer`` (byte-level, 514 tokens) that pads prompts to ``max_length``."""
+    from ppdiffusers.transformers import CLIPTokenizer
+
+    with tempfile.TemporaryDirectory() as folder:
+        tokenizer = CLIPTokenizer(**write_tokenizer_files(folder), max_len=max_length, model_max_length=max_length)
+    return tokenizer
+
+
+def tiny_text_encoder(vocab_size: int, max_length: int = 16, projection: bool = False, seed: int = 0):
+    """A 2-layer CLIP text encoder (optionally with projection, as SDXL's second encoder) with random weights."""
+    from ppdiffusers.transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    config = CLIPTextConfig(
+        vocab_size=vocab_size,
+        hidden_size=TEXT_HIDDEN,
+        intermediate_size=37,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=max_length,
+        projection_dim=TEXT_HIDDEN,
+        bos_token_id=vocab_size - 2,
+        eos_token_id=vocab_size - 1,
+        pad_token_id=vocab_size - 1,
+    )
+    paddle.seed(seed)
+    model = (CLIPTextModelWithProjection if projection else CLIPTextModel)(config)
+    model.eval()
+    return model
+
+
+def sd_unet_config(
+    block_out_channels: Sequence[int] = (32, 64),
+    layers_per_block: int = 1,
+    attention_head_dim: int = 8,
+    cross_attention_dim: int = TEXT_HIDDEN,
+    in_channels: int = 4,
+    sample_size: int = 8,
+    norm_num_groups: int = 8,
+) -> Dict[str, Any]:
+    """An SD-1.x-style UNet config: cross-attention transformer blocks at every level but the deepest (when there
+    is more than one level), so the highest-resolution level has transformer blocks, as in SD 1.x/2.x."""
+    levels = len(block_out_channels)
+    down = ["CrossAttnDownBlock2D"] * max(levels - 1, 1) + (["DownBlock2D"] if levels > 1 else [])
+    up = (["UpBlock2D"] if levels > 1 else []) + ["CrossAttnUpBlock2D"] * max(levels - 1, 1)
+    return dict(
+        sample_size=sample_size,
+        in_channels=in_channels,
+        out_channels=4,
+        down_block_types=tuple(down),
+        up_block_types=tuple(up),
+        block_out_channels=tuple(block_out_channels),
+        layers_per_block=layers_per_block,
+        attention_head_dim=attention_head_dim,
+        cross_attention_dim=cross_attention_dim,
+        norm_num_groups=norm_num_groups,
+    )
+
+
+def tiny_unet(seed: int = 0, **overrides):
+    """A small SD-style ``UNet2DConditionModel`` with random weights: three levels; 3 transformer blocks at 1x,
+    3 at 2x and the mid block's at 4x (SD 1.x has them at 1x, 2x and 4x, and in its mid block at 8x)."""
+    from ppdiffusers import UNet2DConditionModel
+
+    paddle.seed(seed)
+    unet = UNet2DConditionModel(**dict(sd_unet_config(block_out_channels=(32, 64, 64)), **overrides))
+    unet.eval()
+    return unet
+
+
+def tiny_vae(seed: int = 0, block_out_channels: Sequence[int] = (32, 64)):
+    """A small ``AutoencoderKL`` (latent scale factor 2 for two levels) with random weights."""
+    from ppdiffusers import AutoencoderKL
+
+    levels = len(block_out_channels)
+    paddle.seed(seed)
+    vae = AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * levels,
+        up_block_types=("UpDecoderBlock2D",) * levels,
+        block_out_channels=tuple(block_out_channels),
+        latent_channels=4,
+        norm_num_groups=min(block_out_channels),
+        sample_size=32,
+    )
+    vae.eval()
+    return vae
+
+
+def tiny_controlnet(unet, seed: int = 1):
+    """A ``ControlNetModel`` shaped like ``unet`` (random weights; conditioning embedding downsamples by 2)."""
+    from ppdiffusers import ControlNetModel
+
+    paddle.seed(seed)
+    controlnet = ControlNetModel.from_unet(
+        unet, conditioning_embedding_out_channels=(16, 32), load_weights_from_unet=False
+    )
+    # a trained ControlNet's output convolutions are not zero; random ones make the control signal matter
+    for name, param in controlnet.named_parameters():
+        if name.startswith(("controlnet_down_blocks", "controlnet_mid_block", "controlnet_cond_embedding.conv_out")):
+            param.set_value(paddle.randn(param.shape, dtype=param.dtype) * 0.1)
+    controlnet.eval()
+    return controlnet
+
+
+def _scheduler(name: str):
+    import ppdiffusers
+
+    kwargs = dict(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", num_train_timesteps=1000)
+    if name == "DDIMScheduler":
+        kwargs.update(clip_sample=False, set_alpha_to_one=False, steps_offset=1)
+    return getattr(ppdiffusers, name)(**kwargs)
+
+
+def _sd_parts(unet, scheduler: str, seed: int) -> Dict[str, Any]:
+    tokenizer = tiny_tokenizer()
+    return dict(
+        vae=tiny_vae(seed),
+        text_encoder=tiny_text_encoder(len(tokenizer.get_vocab()), seed=seed),
+        tokenizer=tokenizer,
+        unet=unet,
+        scheduler=_scheduler(scheduler),
+    )
+
+
+def tiny_sd_pipeline(
+    kind: str = "txt2img", scheduler: str = "DDIMScheduler", seed: int = 0, unet: Optional[Any] = None
+):
+    """A small Stable Diffusion pipeline with random weights; ``kind`` is ``txt2img``, ``img2img`` or ``inpaint``.
+
+    >>> pipe = tiny_sd_pipeline()
+    >>> type(pipe).__name__
+    'StableDiffusionPipeline'
+    """
+    import ppdiffusers
+
+    classes = {
+        "txt2img": ppdiffusers.StableDiffusionPipeline,
+        "img2img": ppdiffusers.StableDiffusionImg2ImgPipeline,
+        "inpaint": ppdiffusers.StableDiffusionInpaintPipeline,
+    }
+    if kind not in classes:
+        raise ValueError(f"kind must be one of {sorted(classes)}; got {kind!r}")
+    if unet is None:
+        unet = tiny_unet(seed, in_channels=9) if kind == "inpaint" else tiny_unet(seed)
+    pipe = classes[kind](**_sd_parts(unet, scheduler, seed), safety_checker=None, feature_extractor=None,
+                         requires_safety_checker=False)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def tiny_controlnet_pipeline(num_controlnets: int = 1, scheduler: str = "DDIMScheduler", seed: int = 0):
+    """A small ``StableDiffusionControlNetPipeline``; with ``num_controlnets > 1`` it holds a MultiControlNet."""
+    import ppdiffusers
+
+    unet = tiny_unet(seed)
+    nets = [tiny_controlnet(unet, seed=seed + 1 + i) for i in range(num_controlnets)]
+    controlnet = nets[0] if num_controlnets == 1 else ppdiffusers.pipelines.controlnet.MultiControlNetModel(nets)
+    pipe = ppdiffusers.StableDiffusionControlNetPipeline(
+        **_sd_parts(unet, scheduler, seed),
+        controlnet=controlnet,
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def tiny_sdxl_unet(seed: int = 0):
+    """An SDXL-style UNet: no attention at the first level, text-time added conditioning, linear projections."""
+    from ppdiffusers import UNet2DConditionModel
+
+    paddle.seed(seed)
+    unet = UNet2DConditionModel(
+        sample_size=8,
+        in_channels=4,
+        out_channels=4,
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
+        block_out_channels=(32, 64, 64),
+        layers_per_block=1,
+        attention_head_dim=(2, 4, 4),
+        transformer_layers_per_block=(1, 1, 2),
+        use_linear_projection=True,
+        cross_attention_dim=2 * TEXT_HIDDEN,
+        addition_embed_type="text_time",
+        addition_time_embed_dim=8,
+        projection_class_embeddings_input_dim=TEXT_HIDDEN + 6 * 8,
+        norm_num_groups=8,
+    )
+    unet.eval()
+    return unet
+
+
+def tiny_sdxl_pipeline(scheduler: str = "EulerDiscreteScheduler", seed: int = 0):
+    """A small ``StableDiffusionXLPipeline`` with random weights (two text encoders, SDXL-style UNet)."""
+    import ppdiffusers
+
+    tokenizer = tiny_tokenizer()
+    vocab = len(tokenizer.get_vocab())
+    pipe = ppdiffusers.StableDiffusionXLPipeline(
+        vae=tiny_vae(seed),
+        text_encoder=tiny_text_encoder(vocab, seed=seed),
+        text_encoder_2=tiny_text_encoder(vocab, projection=True, seed=seed + 1),
+        tokenizer=tokenizer,
+        tokenizer_2=tiny_tokenizer(),
+        unet=tiny_sdxl_unet(seed),
+        scheduler=_scheduler(scheduler),
+        add_watermarker=False,
+    )
+    pipe.set_progress_bar_config(disable=True)
+    return pipe

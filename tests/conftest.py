@@ -1,0 +1,38 @@
+"""Shared fixtures: small pipelines and helpers to run them deterministically."""
+
+import numpy as np
+import paddle
+import pytest
+from PIL import Image
+
+import ppdiffusers_tome  # noqa: F401  (installs the methods)
+
+paddle.set_device("cpu")
+
+SIZE = 32  # pixels; the tiny VAE scales by 2, so latents are 16 x 16 and the 1x level has 256 tokens
+
+
+def generator(seed=0):
+    return paddle.Generator().manual_seed(seed)
+
+
+def run(pipe, steps=2, seed=0, **kwargs):
+    """Run a pipeline and return its images as a float numpy array."""
+    kwargs.setdefault("prompt", "a red cube on a table")
+    if "image" not in kwargs or "mask_image" in kwargs or "controlnet" in pipe.components:
+        kwargs.setdefault("height", SIZE)
+        kwargs.setdefault("width", SIZE)
+    return pipe(num_inference_steps=steps, generator=generator(seed), output_type="np", **kwargs).images
+
+
+@pytest.fixture
+def init_image():
+    pixels = np.random.default_rng(0).uniform(0, 255, (SIZE, SIZE, 3)).astype("uint8")
+    return Image.fromarray(pixels)
+
+
+@pytest.fixture
+def mask_image():
+    mask = np.zeros((SIZE, SIZE), dtype="uint8")
+    mask[8:24, 4:20] = 255
+    return Image.fromarray(mask)

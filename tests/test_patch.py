@@ -1,0 +1,262 @@
+"""Model glue (ppdiffusers_tome/patch.py): hook placement, image size and timestep capture, randomness, removal."""
+
+import math
+import warnings
+
+import numpy as np
+import paddle
+import pytest
+
+import ppdiffusers_tome
+from ppdiffusers_tome.config import ToMeConfig
+from ppdiffusers_tome.merge import bipartite_soft_matching_random2d, grid_partition
+from ppdiffusers_tome.patch import ModelPatch, find_blocks, get_patch
+from ppdiffusers_tome.testing import tiny_sdxl_unet, tiny_unet
+from tests.conftest import run
+
+
+def unet_inputs(unet, batch=2, hw=(16, 16), seed=0):
+    rng = np.random.default_rng(seed)
+    sample = paddle.to_tensor(rng.standard_normal((batch, 4, *hw)).astype("float32"))
+    context = paddle.to_tensor(rng.standard_normal((batch, 5, unet.config.cross_attention_dim)).astype("float32"))
+    return sample, paddle.to_tensor([500] * batch, dtype="int64"), context
+
+
+def hook_counts(layer):
+    return [(len(m._forward_pre_hooks), len(m._forward_post_hooks)) for m in layer.sublayers(include_self=True)]
+
+
+def expected_block_output(block, x, context, plan, merge_attn=True, merge_cross=False, merge_mlp=False):
+    """BasicTransformerBlock with tomesd's placement, written out by hand: merge the normed input of a sub-layer,
+    unmerge its output before the residual add."""
+    identity = lambda t: t  # noqa: E731
+    m, u = plan
+    ma, ua = (m, u) if merge_attn else (identity, identity)
+    mc, uc = (m, u) if merge_cross else (identity, identity)
+    mm, um = (m, u) if merge_mlp else (identity, identity)
+    x = ua(block.attn1(ma(block.norm1(x)))) + x
+    x = uc(block.attn2(mc(block.norm2(x)), encoder_hidden_states=context)) + x
+    return um(block.ff(mm(block.norm3(x)))) + x
+
+
+@pytest.mark.parametrize("flags", [(True, False, False), (True, True, True), (False, True, False)])
+def test_hooks_place_merge_and_unmerge_exactly_where_tomesd_does(flags):
+    unet = tiny_unet()
+    block = find_blocks(unet)[0][1]
+    rng = np.random.default_rng(3)
+    x = paddle.to_tensor(rng.standard_normal((2, 256, 32)).astype("float32"))
+    context = paddle.to_tensor(rng.standard_normal((2, 5, 32)).astype("float32"))
+    plan = bipartite_soft_matching_random2d(x, 16, 16, 2, 2, 128, no_rand=True)
+    with paddle.no_grad():
+        expected = expected_block_output(block, x, context, plan, *flags).numpy()
+        vanilla = block(x, encoder_hidden_states=context).numpy()
+        config = ToMeConfig(use_rand=False, merge_attn=flags[0], merge_crossattn=flags[1], merge_mlp=flags[2])
+        patch = ModelPatch.install(unet, config)
+        patch.state.begin_call(paddle.zeros([2, 4, 16, 16]), None)
+        got = block(x, encoder_hidden_states=context).numpy()
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+    assert np.abs(got - vanilla).max() > 1e-3  # merging changed something
+    patch.remove()
+
+
+def test_sample_by_keyword_and_by_position_give_the_same_result():
+    unet = tiny_unet()
+    sample, t, context = unet_inputs(unet)
+    ppdiffusers_tome.apply_tome(unet, ratio=0.5)
+    with paddle.no_grad():
+        positional = unet(sample, t, context).sample.numpy()
+        merges = get_patch(unet).state.merges
+        keyword = unet(sample=sample, timestep=t, encoder_hidden_states=context).sample.numpy()
+    assert merges > 0 and get_patch(unet).state.merges == 2 * merges
+    np.testing.assert_array_equal(positional, keyword)
+
+
+def test_only_blocks_at_or_below_max_downsample_merge():
+    unet = tiny_unet()  # 3 blocks at 1x, 3 at 2x, 1 (the mid block) at 4x
+    sample, t, context = unet_inputs(unet)
+    counts = {}
+    for level in (1, 2, 4):
+        ppdiffusers_tome.apply_tome(unet, ratio=0.5, max_downsample=level)
+        with paddle.no_grad():
+            unet(sample, t, context)
+        counts[level] = get_patch(unet).state.merged_blocks
+    assert counts == {1: 3, 2: 6, 4: 7}
+
+
+def test_odd_latent_sizes_merge_at_every_level():
+    unet = tiny_unet()
+    sample, t, context = unet_inputs(unet, batch=2, hw=(9, 11))
+    ppdiffusers_tome.apply_tome(unet, ratio=0.5, max_downsample=8)
+    with paddle.no_grad():
+        out = unet(sample, t, context).sample
+    assert out.shape == [2, 4, 9, 11]
+    assert get_patch(unet).state.merged_blocks == 7
+    assert np.isfinite(out.numpy()).all()
+
+
+def test_chunked_feed_forward_is_left_alone():
+    unet = tiny_unet()
+    sample, t, context = unet_inputs(unet)
+    ppdiffusers_tome.apply_tome(unet, ratio=0.5, merge_mlp=True, use_rand=False)
+    with paddle.no_grad():
+        whole = unet(sample, t, context).sample.numpy()
+        for _, block in find_blocks(unet):
+            block.set_chunk_feed_forward(16, dim=1)  # chunks of 16 tokens never match the 256-token plan
+        chunked = unet(sample, t, context).sample.numpy()
+    assert np.isfinite(chunked).all()
+    assert np.abs(whole - chunked).max() > 0  # merging was skipped for the chunked ff only
+
+
+def dst_positions_seen(unet, calls):
+    """Run ``calls`` (each a kwargs dict for the UNet) and return the dst positions of the first block's plan."""
+    patch = get_patch(unet)
+    seen = []
+    first_attn = find_blocks(unet)[0][1].attn1
+    handle = first_attn.register_forward_pre_hook(lambda layer, args: seen.append(patch.blocks[0].plan.dst_pos.numpy()))
+    with paddle.no_grad():
+        for kwargs in calls:
+            unet(**kwargs)
+    handle.remove()
+    return seen
+
+
+def test_random_partition_depends_on_timestep_not_on_call_history():
+    unet = tiny_unet()
+    sample, _, context = unet_inputs(unet, batch=1)
+    ppdiffusers_tome.apply_tome(unet, ratio=0.5)
+
+    def at(t):
+        return dict(sample=sample, timestep=paddle.to_tensor([t]), encoder_hidden_states=context)
+
+    first, other, again = dst_positions_seen(unet, [at(999), at(500), at(999)])
+    np.testing.assert_array_equal(first, again)
+    assert not np.array_equal(first, other)
+    top_left = grid_partition(16, 16, 2, 2, no_rand=True)[1]
+    assert len(first) == len(top_left) == 64 and not np.array_equal(first, top_left)
+
+
+def test_separate_prompted_and_unprompted_calls_share_the_partition():
+    unet = tiny_unet()
+    sample, t, context = unet_inputs(unet, batch=2)
+    ppdiffusers_tome.apply_tome(unet, ratio=0.5, use_rand=True)
+    halves = [dict(sample=sample[i : i + 1], timestep=t[i : i + 1], encoder_hidden_states=context[i : i + 1]) for i in range(2)]
+    both = dict(sample=sample, timestep=t, encoder_hidden_states=context)
+    p0, p1, p01 = dst_positions_seen(unet, halves + [both])
+    np.testing.assert_array_equal(p0, p1)
+    np.testing.assert_array_equal(p0, p01)
+    with paddle.no_grad():
+        together = unet(**both).sample.numpy()
+        apart = np.concatenate([unet(**h).sample.numpy() for h in halves])
+    np.testing.assert_allclose(together, apart, rtol=1e-4, atol=1e-5)
+
+
+def test_tome_does_not_consume_paddles_global_rng(init_image):
+    from ppdiffusers_tome.testing import tiny_sd_pipeline
+
+    pipe = tiny_sd_pipeline(scheduler="EulerAncestralDiscreteScheduler")  # draws fresh noise at every step
+    seen = {}
+
+    def record(key):
+        def hook(layer, args, kwargs):
+            seen.setdefault(key, []).append(args[0].numpy())
+
+        return hook
+
+    def generate(key):
+        handle = pipe.unet.register_forward_pre_hook(record(key), with_kwargs=True)
+        paddle.seed(1234)
+        pipe(prompt="a cube", num_inference_steps=3, height=32, width=32, output_type="np")
+        handle.remove()
+        return paddle.randn([8]).numpy()  # the global stream right after the call
+
+    after_vanilla = generate("vanilla")
+    pipe.apply_tome(ratio=0.5, use_rand=True)
+    after_tome = generate("tome")
+    np.testing.assert_array_equal(after_vanilla, after_tome)
+    np.testing.assert_array_equal(seen["vanilla"][0], seen["tome"][0])  # same initial latents
+
+
+def test_two_identical_calls_give_bit_identical_images_with_use_rand():
+    from ppdiffusers_tome.testing import tiny_sd_pipeline
+
+    pipe = tiny_sd_pipeline().apply_tome(ratio=0.5, use_rand=True)
+    first, second = run(pipe, steps=3), run(pipe, steps=3)
+    np.testing.assert_array_equal(first, second)
+    fixed = run(pipe.apply_tome(ratio=0.5, use_rand=False), steps=3)
+    assert np.abs(first - fixed).max() > 0  # the random partition is really in use
+
+
+def test_seed_option_changes_the_partition():
+    from ppdiffusers_tome.testing import tiny_sd_pipeline
+
+    pipe = tiny_sd_pipeline()
+    a = run(pipe.apply_tome(ratio=0.5, seed=0), steps=2)
+    b = run(pipe.apply_tome(ratio=0.5, seed=1), steps=2)
+    assert np.abs(a - b).max() > 0
+
+
+def test_odd_batch_keeps_randomness_and_merges():
+    from ppdiffusers_tome.testing import tiny_sd_pipeline
+
+    pipe = tiny_sd_pipeline().apply_tome(ratio=0.5)
+    images = run(pipe, steps=2, guidance_scale=1.0)  # no classifier-free guidance: UNet batch of 1
+    assert np.isfinite(images).all()
+    assert ppdiffusers_tome.tome_stats(pipe)["unet"]["merges"] == 2 * 3
+
+
+def test_sdxl_at_default_max_downsample_warns_once_with_advice():
+    unet = tiny_sdxl_unet()
+    sample, t, _ = unet_inputs(unet)
+    context = paddle.randn([2, 5, 64])
+    added = {"text_embeds": paddle.randn([2, 32]), "time_ids": paddle.to_tensor([[32.0, 32, 0, 0, 32, 32]] * 2)}
+    ppdiffusers_tome.apply_tome(unet, ratio=0.5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with paddle.no_grad():
+            unet(sample, t, context, added_cond_kwargs=added)
+            unet(sample, t, context, added_cond_kwargs=added)
+    messages = [str(w.message) for w in caught if "merged no tokens" in str(w.message)]
+    assert len(messages) == 1 and "max_downsample=2" in messages[0]
+    ppdiffusers_tome.apply_tome(unet, ratio=0.5, max_downsample=2)
+    with paddle.no_grad():
+        unet(sample, t, context, added_cond_kwargs=added)
+    assert get_patch(unet).state.merged_blocks > 0
+
+
+def test_remove_restores_hook_tables_and_attributes():
+    unet = tiny_unet()
+    before_hooks = hook_counts(unet)
+    before_attrs = {id(m): set(m.__dict__) for m in unet.sublayers(include_self=True)}
+    sublayers = {name: id(m) for name, m in unet.named_sublayers(include_self=True)}
+    ppdiffusers_tome.apply_tome(unet, ratio=0.5, merge_crossattn=True, merge_mlp=True)
+    assert hook_counts(unet) != before_hooks
+    ppdiffusers_tome.remove_tome(unet)
+    assert hook_counts(unet) == before_hooks
+    assert {id(m): set(m.__dict__) for m in unet.sublayers(include_self=True)} == before_attrs
+    assert {name: id(m) for name, m in unet.named_sublayers(include_self=True)} == sublayers
+    assert all(type(m).__name__ == "BasicTransformerBlock" for _, m in find_blocks(unet))
+
+
+def test_an_error_inside_a_patched_forward_leaves_the_model_usable():
+    unet = tiny_unet()
+    sample, t, context = unet_inputs(unet)
+    ppdiffusers_tome.apply_tome(unet, ratio=0.5)
+    with pytest.raises(Exception):
+        with paddle.no_grad():
+            unet(sample, t, paddle.randn([2, 5, 7]))  # wrong context width fails inside attn2
+    assert all(hooks.plan is None for hooks in get_patch(unet).blocks)
+    with paddle.no_grad():
+        out = unet(sample, t, context).sample
+    assert np.isfinite(out.numpy()).all()
+
+
+def test_unknown_timestep_falls_back_to_call_count():
+    unet = tiny_unet()
+    state = ModelPatch.install(unet, ToMeConfig()).state
+    state.begin_call(paddle.zeros([1, 4, 8, 8]), None)
+    a = state.generator_for(0, 8, 8).integers(0, 1 << 30)
+    state.begin_call(paddle.zeros([1, 4, 8, 8]), None)
+    b = state.generator_for(0, 8, 8).integers(0, 1 << 30)
+    assert a != b and state.calls == 2
+    state.reset()
+    assert state.calls == 0 and state.latent_hw is None and math.isfinite(a)
