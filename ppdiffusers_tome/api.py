@@ -186,8 +186,12 @@ def _apply_method(
     return apply_tome(self, ratio, max_downsample, sx, sy, use_rand, merge_attn, merge_crossattn, merge_mlp, seed)
 
 
-def _remove_method(self):
-    return remove_tome(self)
+def _remove_method(self, only_return_self: bool = True):
+    # ``only_return_self`` keeps the signature of ppdiffusers' built-in method, whose apply_tome calls it
+    remove_tome(self)
+    if only_return_self:
+        return self
+    return self, [model for _, model in _targets(self, for_apply=False)]
 
 
 _apply_method.__doc__ = apply_tome.__doc__

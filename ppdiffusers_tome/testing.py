@@ -7,8 +7,10 @@ blocks at the full latent resolution, the SDXL-style UNet (like the real one) ha
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import tempfile
 from typing import Any, Dict, Optional, Sequence
 
@@ -57,13 +59,27 @@ def write_tokenizer_files(folder: str) -> Dict[str, str]:
     return paths
 
 
+_tokenizer_folder: Optional[str] = None
+
+
+def _tokenizer_files() -> Dict[str, str]:
+    """The tokenizer files, written once per process (a tokenizer reads them again in ``save_pretrained``)."""
+    global _tokenizer_folder
+    if _tokenizer_folder is None:
+        _tokenizer_folder = tempfile.mkdtemp(prefix="ppdiffusers_tome_tokenizer_")
+        atexit.register(shutil.rmtree, _tokenizer_folder, True)
+        write_tokenizer_files(_tokenizer_folder)
+    return {
+        "vocab_file": os.path.join(_tokenizer_folder, "vocab.json"),
+        "merges_file": os.path.join(_tokenizer_folder, "merges.txt"),
+    }
+
+
 def tiny_tokenizer(max_length: int = 16):
     """A working offline ``CLIPTokenizer`` (byte-level, 514 tokens) that pads prompts to ``max_length``."""
     from ppdiffusers.transformers import CLIPTokenizer
 
-    with tempfile.TemporaryDirectory() as folder:
-        tokenizer = CLIPTokenizer(**write_tokenizer_files(folder), max_len=max_length, model_max_length=max_length)
-    return tokenizer
+    return CLIPTokenizer(**_tokenizer_files(), max_len=max_length, model_max_length=max_length)
 
 
 def tiny_text_encoder(vocab_size: int, max_length: int = 16, projection: bool = False, seed: int = 0):

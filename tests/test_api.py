@@ -1,0 +1,239 @@
+"""Public surface (ppdiffusers_tome/api.py): methods, precedence over the built-in port, idempotence, bad input,
+atomicity, save/load."""
+
+import filecmp
+import os
+
+import numpy as np
+import paddle
+import pytest
+
+import ppdiffusers_tome
+from ppdiffusers_tome import api
+from ppdiffusers_tome.patch import ModelPatch, find_blocks, get_patch
+from ppdiffusers_tome.testing import tiny_controlnet_pipeline, tiny_sd_pipeline, tiny_unet
+from tests.conftest import run
+from tests.test_patch import hook_counts, unet_inputs
+
+
+def unet_output(unet, seed=0):
+    sample, t, context = unet_inputs(unet, seed=seed)
+    with paddle.no_grad():
+        return unet(sample, t, context).sample.numpy()
+
+
+def test_methods_are_on_pipelines_and_models_and_call_this_package():
+    from ppdiffusers import DiffusionPipeline, ModelMixin
+
+    for owner in (DiffusionPipeline, ModelMixin):
+        assert owner.__dict__["apply_tome"] is api._apply_method
+        assert owner.__dict__["remove_tome"] is api._remove_method
+    assert paddle.nn.Layer.__dict__.get("apply_tome") is not api._apply_method  # not on every layer
+
+
+def test_pipe_unet_and_functional_forms_patch_the_same_way():
+    pipe = tiny_sd_pipeline()
+    assert pipe.apply_tome(ratio=0.4) is pipe
+    assert ppdiffusers_tome.tome_config(pipe.unet).ratio == 0.4
+    assert pipe.unet.apply_tome(ratio=0.3) is pipe.unet
+    assert ppdiffusers_tome.tome_config(pipe.unet).ratio == 0.3
+    assert ppdiffusers_tome.apply_tome(pipe, ratio=0.2) is pipe
+    assert ppdiffusers_tome.tome_config(pipe.unet).ratio == 0.2
+    assert ppdiffusers_tome.remove_tome(pipe) is pipe and ppdiffusers_tome.tome_config(pipe.unet) is None
+
+
+def test_vae_and_text_encoder_are_never_patched():
+    pipe = tiny_sd_pipeline().apply_tome()
+    for name in ("vae", "text_encoder"):
+        component = getattr(pipe, name)
+        assert all(get_patch(m) is None for m in component.sublayers(include_self=True))
+        assert all(not m._forward_pre_hooks for m in component.sublayers(include_self=True))
+
+
+def test_apply_twice_is_the_same_as_once():
+    once, twice = tiny_unet(), tiny_unet()
+    ppdiffusers_tome.apply_tome(once, ratio=0.5)
+    ppdiffusers_tome.apply_tome(twice, ratio=0.5)
+    ppdiffusers_tome.apply_tome(twice, ratio=0.5)
+    assert hook_counts(once) == hook_counts(twice)
+    np.testing.assert_array_equal(unet_output(once), unet_output(twice))
+
+
+def test_remove_without_apply_is_a_no_op():
+    pipe = tiny_sd_pipeline()
+    before = hook_counts(pipe.unet)
+    reference = unet_output(pipe.unet)
+    assert pipe.remove_tome() is pipe
+    assert pipe.unet.remove_tome() is pipe.unet
+    assert hook_counts(pipe.unet) == before
+    np.testing.assert_array_equal(unet_output(pipe.unet), reference)
+
+
+def test_remove_gives_bit_identical_outputs():
+    unet = tiny_unet()
+    reference = unet_output(unet)
+    ppdiffusers_tome.apply_tome(unet, ratio=0.6, merge_crossattn=True, merge_mlp=True, max_downsample=8)
+    assert np.abs(unet_output(unet) - reference).max() > 1e-4
+    ppdiffusers_tome.remove_tome(unet)
+    np.testing.assert_array_equal(unet_output(unet), reference)
+
+
+def builtin_apply(model, **kwargs):
+    return paddle.nn.Layer.apply_tome(model, **kwargs)  # ppdiffusers' own port, still attached to nn.Layer
+
+
+def test_builtin_patch_is_replaced_by_ours():
+    unet, fresh = tiny_unet(), tiny_unet()
+    builtin_apply(unet, ratio=0.5, use_rand=False)
+    assert any(type(m).__name__.startswith("ToMe") for _, m in unet.named_sublayers())
+    unet.apply_tome(ratio=0.5, use_rand=False)
+    fresh.apply_tome(ratio=0.5, use_rand=False)
+    assert not any(type(m).__name__.startswith("ToMe") for _, m in unet.named_sublayers())
+    assert not any("_tome_info" in m.__dict__ for m in unet.sublayers(include_self=True))
+    np.testing.assert_array_equal(unet_output(unet), unet_output(fresh))
+
+
+def test_remove_also_undoes_the_builtin_port():
+    unet = tiny_unet()
+    reference = unet_output(unet)
+    before = hook_counts(unet)
+    builtin_apply(unet, ratio=0.5)
+    ppdiffusers_tome.remove_tome(unet)
+    assert hook_counts(unet) == before
+    assert all(type(m).__name__ == "BasicTransformerBlock" for _, m in find_blocks(unet))
+    np.testing.assert_array_equal(unet_output(unet), reference)
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(ratio=0.8), r"ratio must be in \[0, 0.75\)"),
+        (dict(ratio=-0.5), r"ratio must be in"),
+        (dict(sx=0), r"sx must be an integer >= 1"),
+        (dict(sy=-2), r"sy must be an integer >= 1"),
+        (dict(max_downsample=3), r"max_downsample must be one of \(1, 2, 4, 8\)"),
+    ],
+)
+def test_bad_arguments_raise_and_leave_the_model_untouched(kwargs, message):
+    pipe = tiny_sd_pipeline().apply_tome(ratio=0.3)
+    before = hook_counts(pipe.unet)
+    patch = get_patch(pipe.unet)
+    with pytest.raises(ValueError, match=message):
+        pipe.apply_tome(**kwargs)
+    assert hook_counts(pipe.unet) == before and get_patch(pipe.unet) is patch
+
+
+def test_objects_without_transformer_blocks_are_refused():
+    pipe = tiny_sd_pipeline()
+    before = hook_counts(pipe.vae)
+    with pytest.raises(ValueError, match="no transformer blocks"):
+        ppdiffusers_tome.apply_tome(pipe.vae)
+    with pytest.raises(ValueError, match="no transformer blocks"):
+        ppdiffusers_tome.apply_tome(pipe.text_encoder)
+    with pytest.raises(ValueError, match="no transformer blocks"):
+        ppdiffusers_tome.apply_tome([pipe.unet, pipe.vae])
+    assert hook_counts(pipe.vae) == before and get_patch(pipe.unet) is None
+
+
+@pytest.mark.parametrize("thing", ["unet", 3, None, {"unet": 1}, [], ["unet"]])
+def test_non_pipelines_and_non_models_are_refused(thing):
+    with pytest.raises(ValueError, match="expects a ppdiffusers DiffusionPipeline"):
+        ppdiffusers_tome.apply_tome(thing)
+    with pytest.raises(ValueError, match="expects a ppdiffusers DiffusionPipeline"):
+        ppdiffusers_tome.remove_tome(thing)
+
+
+def test_a_failure_half_way_leaves_nothing_patched(monkeypatch):
+    pipe = tiny_controlnet_pipeline(num_controlnets=2)
+    models = [pipe.unet, *pipe.controlnet.nets]
+    before = [hook_counts(m) for m in models]
+    real_install = ModelPatch.install
+    calls = []
+
+    def failing_install(model, config):
+        calls.append(model)
+        if len(calls) == 3:
+            raise RuntimeError("simulated failure while patching the third model")
+        return real_install(model, config)
+
+    monkeypatch.setattr(ModelPatch, "install", staticmethod(failing_install))
+    with pytest.raises(RuntimeError, match="simulated"):
+        pipe.apply_tome(ratio=0.5)
+    assert [hook_counts(m) for m in models] == before
+    assert all(get_patch(m) is None for m in models)
+
+
+def test_multicontrolnet_is_patched_and_removed_net_by_net():
+    pipe = tiny_controlnet_pipeline(num_controlnets=2)
+    reference = run(pipe, image=[_control(), _control()])
+    before = [hook_counts(net) for net in pipe.controlnet.nets]
+    pipe.controlnet.apply_tome(ratio=0.5)
+    assert all(get_patch(net) is not None for net in pipe.controlnet.nets)
+    assert get_patch(pipe.unet) is None
+    pipe.apply_tome(ratio=0.5)
+    pipe.remove_tome()
+    assert [hook_counts(net) for net in pipe.controlnet.nets] == before
+    np.testing.assert_array_equal(run(pipe, image=[_control(), _control()]), reference)
+
+
+def test_a_list_of_controlnets_can_be_patched():
+    pipe = tiny_controlnet_pipeline(num_controlnets=2)
+    nets = list(pipe.controlnet.nets)
+    ppdiffusers_tome.apply_tome(nets, ratio=0.5)
+    assert all(ppdiffusers_tome.tome_config(net).ratio == 0.5 for net in nets)
+    ppdiffusers_tome.remove_tome(tuple(nets))
+    assert all(get_patch(net) is None for net in nets)
+
+
+def _control():
+    from PIL import Image
+
+    return Image.fromarray(np.random.default_rng(5).uniform(0, 255, (32, 32, 3)).astype("uint8"))
+
+
+def test_save_pretrained_of_a_patched_model_writes_the_unpatched_files(tmp_path):
+    unet = tiny_unet()
+    unet.save_pretrained(str(tmp_path / "plain"))
+    ppdiffusers_tome.apply_tome(unet, ratio=0.5)
+    unet(*unet_inputs(unet))  # a call leaves runtime state behind; it must not be saved
+    unet.save_pretrained(str(tmp_path / "patched"))
+    plain, patched = sorted(os.listdir(tmp_path / "plain")), sorted(os.listdir(tmp_path / "patched"))
+    assert plain == patched and plain
+    match, mismatch, errors = filecmp.cmpfiles(tmp_path / "plain", tmp_path / "patched", plain, shallow=False)
+    assert mismatch == [] and errors == [] and match == plain
+    assert set(unet.state_dict()) == set(tiny_unet().state_dict())
+
+
+def test_from_pretrained_of_a_local_tiny_pipeline_then_apply(tmp_path):
+    from ppdiffusers import StableDiffusionPipeline
+
+    original = tiny_sd_pipeline()
+    reference = run(original)
+    original.save_pretrained(str(tmp_path))
+    loaded = StableDiffusionPipeline.from_pretrained(str(tmp_path), safety_checker=None)
+    loaded.set_progress_bar_config(disable=True)
+    np.testing.assert_allclose(run(loaded), reference, atol=1e-6)
+    loaded.apply_tome(ratio=0.5)
+    images = run(loaded)
+    assert ppdiffusers_tome.tome_stats(loaded)["unet"]["merges"] > 0
+    assert np.isfinite(images).all() and np.abs(images - reference).max() > 0
+    loaded.remove_tome()
+    np.testing.assert_allclose(run(loaded), reference, atol=1e-6)
+
+
+def test_stats_count_blocks_calls_and_merges():
+    pipe = tiny_sd_pipeline().apply_tome(ratio=0.5)
+    assert ppdiffusers_tome.tome_stats(pipe) == {"unet": {"blocks": 7, "calls": 0, "merges": 0}}
+    run(pipe, steps=2)
+    assert ppdiffusers_tome.tome_stats(pipe) == {"unet": {"blocks": 7, "calls": 2, "merges": 6}}
+
+
+def test_uninstall_and_reinstall_methods():
+    from ppdiffusers import ModelMixin
+
+    api.uninstall_methods()
+    try:
+        assert ModelMixin.__dict__.get("apply_tome") is not api._apply_method
+    finally:
+        api.install_methods()
+    assert ModelMixin.__dict__["apply_tome"] is api._apply_method
