@@ -241,10 +241,6 @@ class MergePlan:
         return out.reshape([self.batch_size, self.num_tokens, channels])
 
 
-def _normalize_rows(t: paddle.Tensor) -> paddle.Tensor:
-    return t / paddle.clip(paddle.linalg.norm(t, axis=-1, keepdim=True), min=_NORM_EPS)
-
-
 def bipartite_soft_matching_random2d(
     metric: paddle.Tensor,
     w: int,
@@ -302,12 +298,19 @@ def bipartite_soft_matching_random2d(
         m = metric.detach()
         if _dtype_name(m.dtype) != "float32":
             m = m.astype("float32")
-        a = paddle.gather(m, src_pos, axis=1)  # [B, Ns, C]
-        b = _normalize_rows(paddle.gather(m, dst_pos, axis=1))  # [B, Nd, C]
-        scores = paddle.matmul(a, b, transpose_y=True)  # [B, Ns, Nd], not yet divided by |a|
-        best_dst = scores.argmax(axis=-1)  # dividing a row by |a| > 0 does not change its argmax
-        best = paddle.take_along_axis(scores, best_dst.unsqueeze(-1), axis=-1).squeeze(-1)
-        best = best / paddle.clip(paddle.linalg.norm(a, axis=-1), min=_NORM_EPS)  # cosine similarity
+        inv_norm = 1.0 / paddle.clip(paddle.square(m).sum(axis=-1).sqrt(), min=_NORM_EPS)  # [B, N]
+        a = paddle.gather(m, src_pos, axis=1)  # [B, Ns, C], left unnormalized
+        b = paddle.gather(m, dst_pos, axis=1) * paddle.gather(inv_norm, dst_pos, axis=1).unsqueeze(-1)
+        # One [Ns, Nd] score matrix per item: on CPU faster than a batched matmul, and only one is alive at a time.
+        row_start = paddle.arange(num_src, dtype="int64") * num_dst
+        best_dst, best = [], []
+        for item in range(batch):
+            scores = paddle.matmul(a[item], b[item], transpose_y=True)  # cosine similarity times |a|
+            choice = scores.argmax(axis=-1)  # scaling a row by 1/|a| > 0 does not change its argmax
+            best_dst.append(choice)
+            best.append(paddle.gather(scores.reshape([-1]), row_start + choice))  # (take_along_axis is slow)
+        best_dst = paddle.stack(best_dst)  # [B, Ns]
+        best = paddle.stack(best) * paddle.gather(inv_norm, src_pos, axis=1)  # cosine similarity
         order = paddle.argsort(best, axis=-1, descending=True, stable=True)
         unm_idx = order[:, r:]  # [B, Ns - r] src slots kept
         mrg_idx = order[:, :r]  # [B, r] src slots merged

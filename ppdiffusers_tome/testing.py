@@ -82,21 +82,21 @@ def tiny_tokenizer(max_length: int = 16):
     return CLIPTokenizer(**_tokenizer_files(), max_len=max_length, model_max_length=max_length)
 
 
-def tiny_text_encoder(vocab_size: int, max_length: int = 16, projection: bool = False, seed: int = 0):
-    """A 2-layer CLIP text encoder (optionally with projection, as SDXL's second encoder) with random weights."""
+def tiny_text_encoder(vocab_size: int, max_length: int = 16, projection: bool = False, seed: int = 0, **overrides):
+    """A 2-layer CLIP text encoder (optionally with projection, as SDXL's second encoder) with random weights;
+    ``overrides`` replace ``CLIPTextConfig`` fields (e.g. ``hidden_size``)."""
     from ppdiffusers.transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
+    fields = dict(hidden_size=TEXT_HIDDEN, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4)
+    fields.update(overrides)
     config = CLIPTextConfig(
         vocab_size=vocab_size,
-        hidden_size=TEXT_HIDDEN,
-        intermediate_size=37,
-        num_hidden_layers=2,
-        num_attention_heads=4,
         max_position_embeddings=max_length,
-        projection_dim=TEXT_HIDDEN,
+        projection_dim=fields["hidden_size"],
         bos_token_id=vocab_size - 2,
         eos_token_id=vocab_size - 1,
         pad_token_id=vocab_size - 1,
+        **fields,
     )
     paddle.seed(seed)
     model = (CLIPTextModelWithProjection if projection else CLIPTextModel)(config)
@@ -179,7 +179,8 @@ def tiny_controlnet(unet, seed: int = 1):
     return controlnet
 
 
-def _scheduler(name: str):
+def make_scheduler(name: str):
+    """A fresh scheduler of class ``name`` with Stable Diffusion's beta schedule."""
     import ppdiffusers
 
     kwargs = dict(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", num_train_timesteps=1000)
@@ -195,7 +196,7 @@ def _sd_parts(unet, scheduler: str, seed: int) -> Dict[str, Any]:
         text_encoder=tiny_text_encoder(len(tokenizer.get_vocab()), seed=seed),
         tokenizer=tokenizer,
         unet=unet,
-        scheduler=_scheduler(scheduler),
+        scheduler=make_scheduler(scheduler),
     )
 
 
@@ -282,7 +283,7 @@ def tiny_sdxl_pipeline(scheduler: str = "EulerDiscreteScheduler", seed: int = 0)
         tokenizer=tokenizer,
         tokenizer_2=tiny_tokenizer(),
         unet=tiny_sdxl_unet(seed),
-        scheduler=_scheduler(scheduler),
+        scheduler=make_scheduler(scheduler),
         add_watermarker=False,
     )
     pipe.set_progress_bar_config(disable=True)
