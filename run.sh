@@ -17,6 +17,6 @@ what="${1:-}"
 [ $# -gt 0 ] && shift
 case "$what" in
   demo) exec "$venv/bin/python" -m ppdiffusers_tome demo "$@" ;;
-  test) exec "$venv/bin/python" -m pytest tests "$@" ;;
+  test) exec "$venv/bin/python" -m pytest tests --doctest-modules ppdiffusers_tome "$@" ;;
   *) echo "usage: bash run.sh demo|test [options]" >&2; exit 2 ;;
 esac

@@ -270,7 +270,7 @@ def bipartite_soft_matching_random2d(
         >>> import paddle
         >>> x = paddle.randn([2, 64, 16])
         >>> merge, unmerge = bipartite_soft_matching_random2d(x, w=8, h=8, sx=2, sy=2, r=32, generator=0)
-        >>> merge(x).shape, unmerge(merge(x)).shape
+        >>> list(merge(x).shape), list(unmerge(merge(x)).shape)
         ([2, 32, 16], [2, 64, 16])
     """
     if metric.ndim != 3:
