@@ -9,8 +9,8 @@ import os
 from setuptools import find_packages, setup
 
 here = os.path.dirname(os.path.abspath(__file__))
-with open(os.path.join(here, "README.md"), encoding="utf-8") as f:
-    long_description = f.read()
+readme = os.path.join(here, "README.md")
+long_description = open(readme, encoding="utf-8").read() if os.path.exists(readme) else ""
 
 setup(
     name="ppdiffusers_tome",
