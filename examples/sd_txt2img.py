@@ -1,0 +1,59 @@
+"""Text-to-image with ToMe: generate with and without token merging and save both images.
+
+    python examples/sd_txt2img.py                                  # tiny built-in model, random weights
+    python examples/sd_txt2img.py --model /path/to/stable-diffusion-v1-5 --resolution 512 --steps 30
+"""
+
+import argparse
+import logging
+import os
+import time
+
+import paddle
+
+import ppdiffusers_tome
+from ppdiffusers_tome.presets import load_local_pipeline, preset_pipeline
+
+logger = logging.getLogger("sd_txt2img")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", help="local pipeline folder; default: the tiny built-in preset")
+    parser.add_argument("--preset", default="tiny", help="built-in preset when --model is not given")
+    parser.add_argument("--prompt", default="a watercolor fox in a snowy forest")
+    parser.add_argument("--resolution", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--ratio", type=float, default=0.5)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output", default=os.path.join("outputs", "examples", "sd_txt2img"))
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+
+    pipe = load_local_pipeline(args.model) if args.model else preset_pipeline(args.preset)
+    os.makedirs(args.output, exist_ok=True)
+    saved = []
+    for label, ratio in (("vanilla", None), ("tome", args.ratio)):
+        if ratio is None:
+            pipe.remove_tome()
+        else:
+            pipe.apply_tome(ratio=ratio)
+        start = time.perf_counter()
+        image = pipe(
+            args.prompt,
+            height=args.resolution,
+            width=args.resolution,
+            num_inference_steps=args.steps,
+            generator=paddle.Generator().manual_seed(args.seed),
+        ).images[0]
+        path = os.path.join(args.output, f"{label}.png")
+        image.save(path)
+        saved.append(path)
+        logger.info("%s: %.2f s -> %s", label if ratio is None else f"ToMe ratio={ratio}", time.perf_counter() - start, path)
+    logger.info("ToMe stats: %s", ppdiffusers_tome.tome_stats(pipe))
+    pipe.remove_tome()
+    return saved
+
+
+if __name__ == "__main__":
+    main()
