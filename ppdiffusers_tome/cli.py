@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--ratios", type=float, nargs="+", default=[0.3, 0.5], help="ToMe ratios to compare")
     demo.add_argument("--max-downsample", type=int, default=1, help="ToMe max_downsample (1, 2, 4 or 8)")
     demo.add_argument("--steps", type=_positive_int, default=8, help="denoising steps")
-    demo.add_argument("--repeats", type=_positive_int, default=1, help="timed runs per method (median reported)")
+    demo.add_argument("--repeats", type=_positive_int, default=3, help="timed runs per method (median reported)")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--prompt", default="a lighthouse on a cliff at sunset, detailed oil painting")
     demo.add_argument("--threads", type=_positive_int, default=None, help="CPU threads for Paddle (default: all)")
