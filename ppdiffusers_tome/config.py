@@ -13,9 +13,18 @@ from typing import Any, Dict
 
 from .merge import max_ratio
 
-__all__ = ["ToMeConfig", "ALLOWED_MAX_DOWNSAMPLE"]
+__all__ = ["ToMeConfig", "ALLOWED_MAX_DOWNSAMPLE", "tokens_to_merge"]
 
 ALLOWED_MAX_DOWNSAMPLE = (1, 2, 4, 8)
+
+
+def tokens_to_merge(num_tokens: int, ratio: float) -> int:
+    """``r = int(num_tokens * ratio)``, the tokens a block with ``num_tokens`` tokens loses.
+
+    >>> tokens_to_merge(4096, 0.5)
+    2048
+    """
+    return int(num_tokens * ratio)
 
 
 def _is_int(value: Any) -> bool:
@@ -82,7 +91,7 @@ class ToMeConfig:
 
     def tokens_to_merge(self, num_tokens: int) -> int:
         """``r = int(num_tokens * ratio)``, the tokens a block with ``num_tokens`` tokens loses."""
-        return int(num_tokens * self.ratio)
+        return tokens_to_merge(num_tokens, self.ratio)
 
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)

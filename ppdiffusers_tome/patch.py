@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -24,7 +25,7 @@ import numpy as np
 import paddle
 from ppdiffusers.models.attention import BasicTransformerBlock
 
-from .config import ToMeConfig
+from .config import ToMeConfig, tokens_to_merge
 from .merge import MergePlan, bipartite_soft_matching_random2d, find_downsample
 
 logger = logging.getLogger(__name__)
@@ -32,7 +33,28 @@ logger = logging.getLogger(__name__)
 PATCH_ATTR = "_ppdiffusers_tome_patch"
 BLOCK_TYPES: Tuple[type, ...] = (BasicTransformerBlock,)
 
-__all__ = ["ModelPatch", "ToMeState", "PATCH_ATTR", "find_blocks", "get_patch", "remove_builtin_tome"]
+__all__ = [
+    "ModelPatch",
+    "ToMeState",
+    "ToMeStaticGraphError",
+    "PATCH_ATTR",
+    "find_blocks",
+    "get_patch",
+    "remove_builtin_tome",
+]
+
+
+def _tensor_types() -> Tuple[type, ...]:
+    """Tensor classes of dynamic mode and of static-graph tracing (``paddle.jit.to_static``)."""
+    types = [paddle.Tensor]
+    for owner, name in ((getattr(paddle, "pir", None), "Value"), (paddle.static, "Variable")):
+        cls = getattr(owner, name, None) if owner is not None else None
+        if isinstance(cls, type):
+            types.append(cls)
+    return tuple(types)
+
+
+TENSOR_TYPES = _tensor_types()
 
 
 def find_blocks(model: paddle.nn.Layer) -> List[Tuple[str, paddle.nn.Layer]]:
@@ -67,6 +89,21 @@ def remove_builtin_tome(model: paddle.nn.Layer) -> bool:
     return found
 
 
+class ToMeStaticGraphError(RuntimeError):
+    """Raised when a ToMe option cannot be converted to a static graph (``paddle.jit.to_static``)."""
+
+
+def _tracing() -> bool:
+    """Whether this code is being converted to a static graph rather than run eagerly."""
+    if not paddle.in_dynamic_mode():
+        return True
+    try:
+        from paddle.base.dygraph.base import in_sot_simulation_mode, in_to_static_mode
+    except ImportError:  # pragma: no cover - older Paddle
+        return False
+    return bool(in_to_static_mode() or in_sot_simulation_mode())
+
+
 def _timestep_bits(timestep: Any) -> Optional[Tuple[int, ...]]:
     """A hashable, exact key for the timestep(s) of a call, or None when there is none."""
     if timestep is None:
@@ -82,8 +119,27 @@ def _timestep_bits(timestep: Any) -> Optional[Tuple[int, ...]]:
     return tuple(int(v) for v in values.view(np.uint64))
 
 
+def _take(table: Dict, key: Any) -> Any:
+    """``table.pop(key, None)`` spelled so that Paddle's SOT tracer can follow it."""
+    if key in table:
+        return table.pop(key)
+    return None
+
+
+class _CallContext(threading.local):
+    """What one forward call in one thread needs: a model called from two threads at once keeps two of these."""
+
+    def __init__(self) -> None:
+        self.latent_hw: Optional[Tuple[int, int]] = None
+        self.timestep_key: Optional[Tuple[int, ...]] = None
+        self.merged_blocks = 0
+        self.finest_level: Optional[int] = None
+        self.plans: Dict[int, MergePlan] = {}
+        self.active: Dict[str, MergePlan] = {}  # by "<block>/<sub-layer>" (SOT supports no tuple keys)
+
+
 class ToMeState:
-    """Runtime state of one patched model: what the current forward call looks like, and a few counters.
+    """Runtime state of one patched model: what the current forward call looks like (per thread), and counters.
 
     The random partition of a block is drawn from a generator keyed by ``(seed, block, grid, timestep)``, so it
     does not depend on how many calls came before, does not touch Paddle's RNG (on CPU or GPU), and is the same
@@ -96,87 +152,169 @@ class ToMeState:
 
     def reset(self) -> None:
         """Forget everything about earlier calls (the counters too)."""
-        self.latent_hw: Optional[Tuple[int, int]] = None
-        self.timestep_key: Optional[Tuple[int, ...]] = None
+        self.call = _CallContext()
         self.calls = 0
         self.merges = 0  # sub-layer calls that ran on merged tokens, all calls together
-        self.merged_blocks = 0  # blocks that merged during the current call
-        self.finest_level: Optional[int] = None  # smallest downsampling seen at a transformer block this call
         self.warned_no_merge = False
+
+    def __deepcopy__(self, memo) -> "ToMeState":
+        # a copied model starts with the same counters and no call in flight (thread-locals cannot be copied)
+        twin = ToMeState(self.config)
+        twin.calls, twin.merges, twin.warned_no_merge = self.calls, self.merges, self.warned_no_merge
+        memo[id(self)] = twin
+        return twin
+
+    # the current call, as seen from this thread
+    @property
+    def latent_hw(self) -> Optional[Tuple[int, int]]:
+        return self.call.latent_hw
+
+    @property
+    def merged_blocks(self) -> int:
+        """Blocks that merged during the latest call in this thread."""
+        return self.call.merged_blocks
+
+    @property
+    def finest_level(self) -> Optional[int]:
+        """Smallest downsampling factor seen at a transformer block during the latest call in this thread."""
+        return self.call.finest_level
 
     def begin_call(self, sample: Any, timestep: Any) -> None:
         self.calls += 1
-        self.merged_blocks = 0
-        self.finest_level = None
+        call = self.call
+        call.merged_blocks = 0
+        call.finest_level = None
+        call.plans.clear()
+        call.active.clear()
         shape = getattr(sample, "shape", None)
-        self.latent_hw = (int(shape[-2]), int(shape[-1])) if shape is not None and len(shape) == 4 else None
-        self.timestep_key = _timestep_bits(timestep)
+        call.latent_hw = (int(shape[-2]), int(shape[-1])) if shape is not None and len(shape) == 4 else None
+        # the timestep is only needed to key the random partition (reading it would break static-graph tracing)
+        if self.config.use_rand and _tracing():
+            raise ToMeStaticGraphError(
+                "ToMe with use_rand=True cannot be converted with paddle.jit.to_static: its random partition is "
+                "drawn per timestep at run time and would be frozen into the program. Apply ToMe with "
+                "use_rand=False before converting."
+            )
+        call.timestep_key = _timestep_bits(timestep) if self.config.use_rand else None
+
+    def end_call(self) -> None:
+        self.call.plans.clear()
+        self.call.active.clear()
 
     def generator_for(self, block_index: int, grid_h: int, grid_w: int) -> np.random.Generator:
-        if self.timestep_key is not None:
-            key = [self.config.seed, block_index, grid_h, grid_w, 1, *self.timestep_key]
+        key_part = self.call.timestep_key
+        if key_part is not None:
+            key = [self.config.seed, block_index, grid_h, grid_w, 1, *key_part]
         else:  # no timestep given: fall back to the call count
             key = [self.config.seed, block_index, grid_h, grid_w, 0, self.calls]
         return np.random.default_rng(key)
 
 
+class _HookCall:
+    """A hook as a plain callable object calling ``owner.<method>``. Unlike a bound method it survives Paddle's
+    SOT tracer (which writes a bound method's repr into its guard code) and ``copy.deepcopy`` alike."""
+
+    def __init__(self, owner: Any, method: str) -> None:
+        self.owner = owner
+        self.method = method
+
+    def __call__(self, *args):
+        return getattr(self.owner, self.method)(*args)
+
+
+class _HookRecord:
+    """One registered hook, removable from the layer's own hook tables (unlike Paddle's HookRemoveHelper, whose
+    weak references would still point at the original model after ``copy.deepcopy``)."""
+
+    _TABLES = {
+        "pre": ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs_flag"),
+        "post": ("_forward_post_hooks", "_forward_post_hooks_with_kwargs_flag", "_forward_post_hooks_always_called"),
+    }
+
+    def __init__(self, layer: paddle.nn.Layer, kind: str, owner: Any, method: str) -> None:
+        self.layer = layer
+        self.kind = kind
+        hook = _HookCall(owner, method)
+        if kind == "pre":
+            handle = layer.register_forward_pre_hook(hook, with_kwargs=True)
+        else:
+            handle = layer.register_forward_post_hook(hook, with_kwargs=True, always_call=True)
+        self.hook_id = handle._hook_id
+
+    def remove(self) -> None:
+        for table in self._TABLES[self.kind]:
+            getattr(self.layer, table, {}).pop(self.hook_id, None)
+
+
+class _SublayerHooks:
+    """Merge the input of one sub-layer (attn1, attn2 or ff) of one block and unmerge its output."""
+
+    def __init__(self, block: "_BlockHooks", name: str, self_attention: bool):
+        self.block = block
+        self.name = name
+        self.self_attention = self_attention
+        self.key = f"{block.index}/{name}"
+
+    def before(self, layer, args, kwargs):
+        call = self.block.patch.state.call
+        key = self.key
+        _take(call.active, key)
+        index = self.block.index
+        plan = call.plans[index] if index in call.plans else None
+        if plan is None or plan.is_identity:
+            return None
+        if self.self_attention and kwargs.get("attention_mask") is not None:
+            return None  # a mask over N keys cannot follow merged keys
+        from_kwargs = not args
+        x = kwargs.get("hidden_states") if from_kwargs else args[0]
+        if not isinstance(x, TENSOR_TYPES) or x.ndim != 3:
+            return None
+        if x.shape[0] != plan.batch_size or x.shape[1] != plan.num_tokens:
+            return None  # e.g. chunked feed-forward: leave such calls alone
+        merged = plan.merge(x)
+        call.active[key] = plan
+        self.block.patch.state.merges += 1
+        if from_kwargs:
+            return args, dict(kwargs, hidden_states=merged)
+        return (merged,) + tuple(args[1:]), kwargs
+
+    def after(self, layer, args, kwargs, output):
+        plan = _take(self.block.patch.state.call.active, self.key)
+        if plan is None:
+            return None
+        if isinstance(output, (tuple, list)):
+            return type(output)([plan.unmerge(output[0]), *output[1:]])
+        return plan.unmerge(output)
+
+
 class _BlockHooks:
-    """Per-block plan plus the merge/unmerge hooks of its sub-layers."""
+    """Plans the merge of one transformer block from its input, for its sub-layer hooks to use."""
 
     def __init__(self, patch: "ModelPatch", index: int, block: paddle.nn.Layer):
         self.patch = patch
         self.index = index
         self.block = block
-        self.plan: Optional[MergePlan] = None
-        self.active: Dict[str, Optional[MergePlan]] = {}
 
-    # block hooks -----------------------------------------------------------------------------------------------
-    def before_block(self, layer, args, kwargs):
+    @property
+    def plan(self) -> Optional[MergePlan]:
+        """The plan of the call in flight in this thread, if this block is merging."""
+        plans = self.patch.state.call.plans
+        return plans[self.index] if self.index in plans else None
+
+    def before(self, layer, args, kwargs):
         hidden = args[0] if args else kwargs.get("hidden_states")
-        self.plan = self.patch.plan_for(self.index, hidden)
+        plan = self.patch.plan_for(self.index, hidden)
+        if plan is not None:
+            self.patch.state.call.plans[self.index] = plan
         return None
 
-    def after_block(self, layer, args, kwargs, output):
-        self.plan = None
-        for key in self.active:
-            self.active[key] = None
+    def after(self, layer, args, kwargs, output):
+        call = self.patch.state.call
+        _take(call.plans, self.index)
+        prefix = f"{self.index}/"
+        for key in [k for k in call.active if k.startswith(prefix)]:
+            del call.active[key]
         return None
-
-    # sub-layer hooks -------------------------------------------------------------------------------------------
-    def make_sublayer_hooks(self, name: str, self_attention: bool):
-        self.active[name] = None
-
-        def before(layer, args, kwargs):
-            self.active[name] = None
-            plan = self.plan
-            if plan is None or plan.is_identity:
-                return None
-            if self_attention and kwargs.get("attention_mask") is not None:
-                return None  # a mask over N keys cannot follow merged keys
-            from_kwargs = not args
-            x = kwargs.get("hidden_states") if from_kwargs else args[0]
-            if not isinstance(x, paddle.Tensor) or x.ndim != 3:
-                return None
-            if x.shape[0] != plan.batch_size or x.shape[1] != plan.num_tokens:
-                return None  # e.g. chunked feed-forward: leave such calls alone
-            merged = plan.merge(x)
-            self.active[name] = plan
-            self.patch.state.merges += 1
-            if from_kwargs:
-                kwargs = dict(kwargs, hidden_states=merged)
-                return args, kwargs
-            return (merged,) + tuple(args[1:]), kwargs
-
-        def after(layer, args, kwargs, output):
-            plan = self.active.get(name)
-            if plan is None:
-                return None
-            self.active[name] = None
-            if isinstance(output, (tuple, list)):
-                return type(output)([plan.unmerge(output[0]), *output[1:]])
-            return plan.unmerge(output)
-
-        return before, after
 
 
 class ModelPatch:
@@ -196,7 +334,7 @@ class ModelPatch:
         self.config = config
         self.state = ToMeState(config)
         self.blocks: List[_BlockHooks] = []
-        self._handles: List[Any] = []
+        self._hooks: List[_HookRecord] = []
 
     @classmethod
     def install(cls, model: paddle.nn.Layer, config: ToMeConfig) -> "ModelPatch":
@@ -207,15 +345,15 @@ class ModelPatch:
         try:
             patch._register(blocks)
         except BaseException:
-            patch._remove_handles()
+            patch._remove_hooks()
             raise
         model.__dict__[PATCH_ATTR] = patch
         return patch
 
     def _register(self, blocks) -> None:
-        hook = self._handles.append
-        hook(self.model.register_forward_pre_hook(self._before_model, with_kwargs=True))
-        hook(self.model.register_forward_post_hook(self._after_model, with_kwargs=True, always_call=True))
+        add = self._hooks.append
+        add(_HookRecord(self.model, "pre", self, "_before_model"))
+        add(_HookRecord(self.model, "post", self, "_after_model"))
         selected = [
             ("attn1", self.config.merge_attn, True),
             ("attn2", self.config.merge_crossattn, False),
@@ -224,25 +362,23 @@ class ModelPatch:
         for index, (_, block) in enumerate(blocks):
             hooks = _BlockHooks(self, index, block)
             self.blocks.append(hooks)
-            hook(block.register_forward_pre_hook(hooks.before_block, with_kwargs=True))
-            hook(block.register_forward_post_hook(hooks.after_block, with_kwargs=True, always_call=True))
+            add(_HookRecord(block, "pre", hooks, "before"))
+            add(_HookRecord(block, "post", hooks, "after"))
             for name, enabled, self_attention in selected:
                 sublayer = getattr(block, name, None)
-                if not enabled or not isinstance(sublayer, paddle.nn.Layer):
-                    continue
-                before, after = hooks.make_sublayer_hooks(name, self_attention)
-                hook(sublayer.register_forward_pre_hook(before, with_kwargs=True))
-                hook(sublayer.register_forward_post_hook(after, with_kwargs=True, always_call=True))
+                if enabled and isinstance(sublayer, paddle.nn.Layer):
+                    sub = _SublayerHooks(hooks, name, self_attention)
+                    add(_HookRecord(sublayer, "pre", sub, "before"))
+                    add(_HookRecord(sublayer, "post", sub, "after"))
 
-    def _remove_handles(self) -> None:
-        while self._handles:
-            self._handles.pop().remove()
+    def _remove_hooks(self) -> None:
+        while self._hooks:
+            self._hooks.pop().remove()
 
     def remove(self) -> None:
         """Take every hook off and drop the patch attribute; the model is then exactly as before ``install``."""
-        self._remove_handles()
-        for hooks in self.blocks:
-            hooks.plan = None
+        self._remove_hooks()
+        self.state.end_call()
         self.blocks = []
         if self.model.__dict__.get(PATCH_ATTR) is self:
             del self.model.__dict__[PATCH_ATTR]
@@ -256,6 +392,7 @@ class ModelPatch:
 
     def _after_model(self, layer, args, kwargs, output):
         state, config = self.state, self.config
+        state.end_call()
         if state.merged_blocks == 0 and config.ratio > 0 and not state.warned_no_merge:
             level = state.finest_level
             if level is not None and level > config.max_downsample:
@@ -272,18 +409,18 @@ class ModelPatch:
     def plan_for(self, block_index: int, hidden: Any) -> Optional[MergePlan]:
         """The merge plan of one block call, or None when this block does not merge in this call."""
         state, config = self.state, self.config
-        if state.latent_hw is None or not isinstance(hidden, paddle.Tensor) or hidden.ndim != 3:
+        if state.latent_hw is None or not isinstance(hidden, TENSOR_TYPES) or hidden.ndim != 3:
             return None
         num_tokens = hidden.shape[1]
         latent_h, latent_w = state.latent_hw
         level = find_downsample(latent_h, latent_w, num_tokens)
         if level is None:
             return None
-        if state.finest_level is None or level < state.finest_level:
-            state.finest_level = level
+        if state.call.finest_level is None or level < state.call.finest_level:
+            state.call.finest_level = level
         if level > config.max_downsample:
             return None
-        r = config.tokens_to_merge(num_tokens)
+        r = tokens_to_merge(num_tokens, config.ratio)  # (Paddle's SOT tracer cannot call dataclass methods)
         if r <= 0:
             return None
         grid_h, grid_w = math.ceil(latent_h / level), math.ceil(latent_w / level)
@@ -292,5 +429,5 @@ class ModelPatch:
             hidden, grid_w, grid_h, config.sx, config.sy, r, no_rand=not config.use_rand, generator=generator
         )
         if not plan.is_identity:
-            state.merged_blocks += 1
+            state.call.merged_blocks += 1
         return plan

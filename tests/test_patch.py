@@ -260,3 +260,129 @@ def test_unknown_timestep_falls_back_to_call_count():
     assert a != b and state.calls == 2
     state.reset()
     assert state.calls == 0 and state.latent_hw is None and math.isfinite(a)
+
+
+# lifecycle: copies, many cycles, threads, changes mid-generation ---------------------------------------------------
+def test_deepcopy_of_a_patched_model_is_patched_independently():
+    import copy
+
+    unet = tiny_unet()
+    inputs = unet_inputs(unet)
+    with paddle.no_grad():
+        vanilla = unet(*inputs).sample.numpy()
+    ppdiffusers_tome.apply_tome(unet, ratio=0.5)
+    with paddle.no_grad():
+        merged = unet(*inputs).sample.numpy()
+    twin = copy.deepcopy(unet)
+    assert get_patch(twin) is not None and get_patch(twin) is not get_patch(unet) and get_patch(twin).model is twin
+    with paddle.no_grad():
+        np.testing.assert_array_equal(twin(*inputs).sample.numpy(), merged)
+    ppdiffusers_tome.remove_tome(twin)
+    with paddle.no_grad():
+        np.testing.assert_array_equal(twin(*inputs).sample.numpy(), vanilla)
+        np.testing.assert_array_equal(unet(*inputs).sample.numpy(), merged)  # the original is still patched
+    ppdiffusers_tome.remove_tome(unet)
+    assert hook_counts(twin) == hook_counts(unet) == hook_counts(tiny_unet())
+
+
+def test_many_apply_remove_cycles_leave_nothing_behind():
+    import gc
+    import weakref
+
+    from ppdiffusers_tome.measure import _rss_bytes
+
+    unet = tiny_unet()
+    inputs = unet_inputs(unet)
+    before_hooks = hook_counts(unet)
+    before_attrs = {id(m): set(m.__dict__) for m in unet.sublayers(include_self=True)}
+    patches = []
+    with paddle.no_grad():
+        for cycle in range(200):
+            if cycle == 20:
+                gc.collect()
+                rss_start = _rss_bytes()
+            ppdiffusers_tome.apply_tome(unet, ratio=0.5, merge_mlp=cycle % 2 == 0)
+            if cycle % 50 == 0:
+                unet(*inputs)
+            patches.append(weakref.ref(get_patch(unet)))
+            ppdiffusers_tome.remove_tome(unet)
+    gc.collect()
+    assert hook_counts(unet) == before_hooks
+    assert {id(m): set(m.__dict__) for m in unet.sublayers(include_self=True)} == before_attrs
+    assert all(ref() is None for ref in patches)  # every patch object was freed
+    assert _rss_bytes() - rss_start < 32 * 2**20
+
+
+def test_two_models_with_different_settings_in_two_threads_do_not_mix():
+    import threading
+
+    unets = [tiny_unet(seed=0), tiny_unet(seed=1)]
+    inputs = [unet_inputs(u, seed=i) for i, u in enumerate(unets)]
+    for unet, ratio in zip(unets, (0.3, 0.6)):
+        ppdiffusers_tome.apply_tome(unet, ratio=ratio, use_rand=True)
+    with paddle.no_grad():
+        expected = [u(*x).sample.numpy() for u, x in zip(unets, inputs)]
+    results = {0: [], 1: []}
+
+    def work(k):
+        with paddle.no_grad():
+            for _ in range(4):
+                results[k].append(unets[k](*inputs[k]).sample.numpy())
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for k in (0, 1):
+        assert len(results[k]) == 4
+        for out in results[k]:
+            np.testing.assert_array_equal(out, expected[k])
+
+
+def test_one_model_called_from_two_threads_gives_each_call_its_own_plans():
+    import threading
+
+    unet = tiny_unet()
+    inputs = [unet_inputs(unet, batch=2, seed=0), unet_inputs(unet, batch=1, hw=(12, 10), seed=1)]
+    ppdiffusers_tome.apply_tome(unet, ratio=0.5, max_downsample=2)
+    with paddle.no_grad():
+        expected = [unet(*x).sample.numpy() for x in inputs]
+    results, errors = {0: [], 1: []}, []
+
+    def work(k):
+        try:
+            with paddle.no_grad():
+                for _ in range(4):
+                    results[k].append(unet(*inputs[k]).sample.numpy())
+        except Exception as error:  # pragma: no cover - reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    for k in (0, 1):
+        for out in results[k]:
+            np.testing.assert_array_equal(out, expected[k])
+
+
+def test_apply_and_remove_from_a_step_callback_take_effect_at_the_next_step():
+    from ppdiffusers_tome.testing import tiny_sd_pipeline
+
+    pipe = tiny_sd_pipeline()
+    log = []
+
+    def callback(pipeline, step, timestep, kwargs):
+        if step == 0:
+            pipeline.apply_tome(ratio=0.5)
+        if step == 2:
+            log.append(dict(ppdiffusers_tome.tome_stats(pipeline)["unet"]))
+            pipeline.remove_tome()
+        return kwargs
+
+    run(pipe, steps=5, callback_on_step_end=callback)
+    assert log == [{"blocks": 7, "calls": 2, "merges": 6}]  # steps 1 and 2 merged, 3 blocks each
+    assert get_patch(pipe.unet) is None

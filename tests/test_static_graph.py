@@ -1,0 +1,66 @@
+"""A ToMe-patched UNet converted with paddle.jit.to_static and saved with paddle.jit.save for Paddle Inference
+(ppdiffusers_tome/patch.py under static-graph tracing)."""
+
+import numpy as np
+import paddle
+import pytest
+from paddle.static import InputSpec
+
+import ppdiffusers_tome
+from ppdiffusers_tome.patch import ToMeStaticGraphError
+from ppdiffusers_tome.testing import tiny_unet
+from tests.test_patch import unet_inputs
+
+
+class NoisePredictor(paddle.nn.Layer):
+    """The UNet with plain tensor inputs and output, as exported for inference."""
+
+    def __init__(self, unet):
+        super().__init__()
+        self.unet = unet
+
+    def forward(self, sample, timestep, context):
+        return self.unet(sample, timestep, context).sample
+
+
+def small_unet():
+    return tiny_unet(
+        block_out_channels=(32, 32),
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+    )
+
+
+SPEC = [InputSpec([2, 4, 16, 16], "float32"), InputSpec([2], "int64"), InputSpec([2, 5, 32], "float32")]
+
+
+@pytest.mark.parametrize("full_graph", [True, False], ids=["ast", "sot"])
+def test_patched_unet_converts_saves_and_loads_with_same_output(tmp_path, full_graph):
+    unet = small_unet()
+    inputs = unet_inputs(unet)
+    with paddle.no_grad():
+        vanilla = unet(*inputs).sample.numpy()
+    unet.apply_tome(ratio=0.5, use_rand=False)
+    with paddle.no_grad():
+        dynamic = unet(*inputs).sample.numpy()
+    assert np.abs(dynamic - vanilla).max() > 1e-4  # ToMe is active in the dynamic model
+
+    model = NoisePredictor(unet)
+    model.eval()
+    static = paddle.jit.to_static(model, input_spec=SPEC, full_graph=full_graph)
+    np.testing.assert_allclose(static(*inputs).numpy(), dynamic, rtol=1e-5, atol=1e-5)
+    path = str(tmp_path / "unet")
+    paddle.jit.save(static, path)
+    loaded = paddle.jit.load(path)
+    np.testing.assert_allclose(loaded(*inputs).numpy(), dynamic, rtol=1e-5, atol=1e-5)
+
+
+def test_random_partition_refuses_conversion_with_a_clear_error(tmp_path):
+    unet = small_unet()
+    unet.apply_tome(ratio=0.5, use_rand=True)
+    static = paddle.jit.to_static(NoisePredictor(unet), input_spec=SPEC, full_graph=True)
+    with pytest.raises(ToMeStaticGraphError, match="use_rand=True cannot be converted"):
+        paddle.jit.save(static, str(tmp_path / "unet"))
+    ppdiffusers_tome.remove_tome(unet)  # the dynamic model is still fine afterwards
+    with paddle.no_grad():
+        assert np.isfinite(unet(*unet_inputs(unet)).sample.numpy()).all()
