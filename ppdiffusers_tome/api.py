@@ -133,7 +133,7 @@ def _unpatch(model: paddle.nn.Layer) -> None:
     if patch is not None:
         patch.remove()
     if remove_builtin_tome(model):
-        logger.info("removed ppdiffusers' built-in ToMe patch from %s", type(model).__name__)
+        logger.debug("removed ppdiffusers' built-in ToMe patch from %s", type(model).__name__)
 
 
 def remove_tome(obj: Any) -> Any:

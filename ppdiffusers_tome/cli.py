@@ -1,8 +1,9 @@
-"""Command line: ``ppdiffusers-tome demo`` (also ``python -m ppdiffusers_tome demo``).
+"""Command line: ``ppdiffusers-tome demo|bench`` (also ``python -m ppdiffusers_tome demo|bench``).
 
 ``demo`` runs a pipeline with and without ToMe side by side at one resolution, prints a table (time, speed-up, peak
 memory, difference to vanilla), and writes a PNG grid and a JSON record. With no ``--model`` it uses the embedded
 default model (a Stable Diffusion pipeline built from a shipped config with random weights), so it needs no download.
+``bench`` measures a grid of resolutions, batch sizes and methods (see :mod:`ppdiffusers_tome.bench`).
 """
 
 from __future__ import annotations
@@ -53,6 +54,31 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--threads", type=_positive_int, default=None, help="CPU threads for Paddle (default: all)")
     demo.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
     demo.add_argument("--output", default=os.path.join("outputs", "demo"), help="folder for demo.png/results.json")
+
+    from .bench import ALL_METHODS, ARCH_PRESETS
+
+    bench = sub.add_parser("bench", help="grid of resolutions x batch sizes x methods: table, JSON, plots")
+    source = bench.add_mutually_exclusive_group()
+    source.add_argument("--arch", choices=sorted(ARCH_PRESETS), default="sd15-narrow",
+                        help="model layout with random weights (default sd15-narrow)")
+    source.add_argument("--model", help="a local pipeline folder instead of --arch")
+    bench.add_argument("--resolutions", type=_resolution, nargs="+", default=[512])
+    bench.add_argument("--batch-sizes", type=_positive_int, nargs="+", default=[1], help="images per call")
+    bench.add_argument("--ratios", type=float, nargs="+", default=[0.5])
+    bench.add_argument("--methods", nargs="+", choices=ALL_METHODS, default=["vanilla", "tome", "tome-efficient", "bound"])
+    bench.add_argument("--compare-builtin", action="store_true", help="add ppdiffusers' built-in ToMe port")
+    bench.add_argument("--steps", type=_positive_int, default=20, help="denoising steps per pipeline call")
+    bench.add_argument("--unet-only", action="store_true", help="time one denoiser forward instead of a pipeline call")
+    bench.add_argument("--repeats", type=_positive_int, default=3, help="timed runs per method (median reported)")
+    bench.add_argument("--warmup", type=int, default=1, help="untimed runs per method before timing")
+    bench.add_argument("--max-downsample", type=int, default=None, help="default: 2 for SDXL layouts, else 1")
+    bench.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
+                       help="default: float16 on GPU, float32 on CPU")
+    bench.add_argument("--threads", type=_positive_int, default=None, help="CPU threads for Paddle (default: all)")
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--no-plots", action="store_true")
+    bench.add_argument("--no-time-split", action="store_true", help="skip the attention/matching/rest split")
+    bench.add_argument("--output", default=os.path.join("outputs", "bench"), help="folder for results.json and plots")
     return parser
 
 
@@ -199,12 +225,79 @@ def run_demo(args: argparse.Namespace) -> Dict[str, Any]:
     return record
 
 
+def run_bench(args: argparse.Namespace) -> Dict[str, Any]:
+    import paddle
+    from tqdm import tqdm
+
+    from . import bench
+    from .measure import set_threads
+    from .presets import load_local_pipeline, preset_pipeline
+
+    on_gpu = paddle.get_device().startswith("gpu")
+    dtype = args.dtype or ("float16" if on_gpu else "float32")
+    if dtype != "float32" and not on_gpu:
+        raise ValueError(f"--dtype {dtype} needs a GPU: Paddle's CPU build has no half-precision matmul")
+    sdxl = (args.arch or "").startswith(("sdxl", "tiny-sdxl"))
+    max_downsample = args.max_downsample or (2 if sdxl else 1)
+    methods = list(args.methods) + (["builtin"] if args.compare_builtin and "builtin" not in args.methods else [])
+    settings = bench.BenchSettings(
+        resolutions=args.resolutions, batch_sizes=args.batch_sizes, ratios=args.ratios, methods=methods,
+        steps=args.steps, repeats=args.repeats, warmup=max(args.warmup, 0), max_downsample=max_downsample,
+        unet_only=args.unet_only, seed=args.seed,
+    )
+    for ratio in settings.ratios:  # validate before building anything
+        from .config import ToMeConfig
+
+        ToMeConfig(ratio=ratio, max_downsample=max_downsample)
+    threads = set_threads(args.threads)
+    if args.model:
+        pipe, source = load_local_pipeline(args.model, dtype=dtype), os.path.abspath(args.model)
+    else:
+        preset = bench.ARCH_PRESETS[args.arch]
+        pipe, source = preset_pipeline(preset, seed=args.seed, dtype=dtype), f"preset:{preset} (random weights)"
+    with tqdm(total=bench.grid_steps(settings), desc="bench", unit="run", disable=None) as bar:
+        cells = bench.run_grid(pipe, settings, progress=lambda: bar.update(1))
+    split: Dict[str, Dict[str, float]] = {}
+    if not args.no_time_split:
+        size, batch = settings.resolutions[0], settings.batch_sizes[0]
+        for method in [bench.Method("vanilla")] + [bench.Method("tome", r) for r in settings.ratios]:
+            try:
+                split[method.label] = bench.time_split(pipe, settings, size, batch, method)
+            except Exception as error:  # noqa: BLE001
+                if not bench.is_out_of_memory(error):
+                    raise
+                logger.warning("time split of %s skipped: out of memory", method.label)
+    os.makedirs(args.output, exist_ok=True)
+    data = bench.record(cells, settings, source, threads, dtype, split)
+    data["plots"] = [] if args.no_plots else bench.write_plots(cells, split, args.output)
+    path = os.path.join(args.output, "results.json")
+    bench.save_json(data, path)
+    env = data["environment"]
+    kind = "one denoiser forward" if settings.unet_only else f"{settings.steps}-step pipeline call"
+    lines = [
+        f"ToMe bench: {source}, {kind}, {dtype} on {env['device']} ({threads} threads), median of {settings.repeats}",
+        "seconds per image (speed-up vs vanilla):",
+        bench.format_table(cells, bench.method_list(settings)),
+        "",
+        bench.format_details(cells),
+    ]
+    if split:
+        lines += ["", "time split of one UNet forward (s): "
+                  + "; ".join(f"{k}: attention {v['attention']:.3f}, matching {v['matching']:.3f}, rest {v['rest']:.3f}"
+                              for k, v in split.items())]
+    lines.append(f"wrote {path}" + (f" and {len(data['plots'])} plots" if data["plots"] else ""))
+    sys.stdout.write("\n".join(lines) + "\n")
+    return data
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     args = build_parser().parse_args(argv)
     try:
         if args.command == "demo":
             run_demo(args)
+        elif args.command == "bench":
+            run_bench(args)
     except ValueError as error:  # bad input: a clear message, not a traceback
         sys.stderr.write(f"ppdiffusers-tome {args.command}: error: {error}\n")
         return 2

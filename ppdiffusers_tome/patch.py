@@ -423,11 +423,15 @@ class ModelPatch:
         r = tokens_to_merge(num_tokens, config.ratio)  # (Paddle's SOT tracer cannot call dataclass methods)
         if r <= 0:
             return None
-        grid_h, grid_w = math.ceil(latent_h / level), math.ceil(latent_w / level)
-        generator = state.generator_for(block_index, grid_h, grid_w) if config.use_rand else None
-        plan = bipartite_soft_matching_random2d(
-            hidden, grid_w, grid_h, config.sx, config.sy, r, no_rand=not config.use_rand, generator=generator
-        )
+        plan = self.make_plan(block_index, hidden, math.ceil(latent_h / level), math.ceil(latent_w / level), r)
         if not plan.is_identity:
             state.call.merged_blocks += 1
         return plan
+
+    def make_plan(self, block_index: int, hidden: Any, grid_h: int, grid_w: int, r: int) -> MergePlan:
+        """Match the block input ``hidden`` on its ``grid_h x grid_w`` grid and plan the merge of ``r`` tokens."""
+        config = self.config
+        generator = self.state.generator_for(block_index, grid_h, grid_w) if config.use_rand else None
+        return bipartite_soft_matching_random2d(
+            hidden, grid_w, grid_h, config.sx, config.sy, r, no_rand=not config.use_rand, generator=generator
+        )

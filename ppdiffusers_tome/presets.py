@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Optional
 
 import paddle
 
-from .testing import make_scheduler, tiny_text_encoder, tiny_tokenizer
+from .testing import make_scheduler, random_controlnet, tiny_text_encoder, tiny_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -40,36 +40,51 @@ def load_preset(name: str) -> Dict[str, Any]:
         return json.load(f)
 
 
-def preset_pipeline(name: str = DEFAULT_PRESET, scheduler: str = "DDIMScheduler", seed: int = 0, dtype: str = "float32"):
-    """A ``StableDiffusionPipeline`` built from preset ``name`` with random weights (seeded, so reproducible).
+def preset_pipeline(name: str = DEFAULT_PRESET, scheduler: Optional[str] = None, seed: int = 0, dtype: str = "float32"):
+    """A pipeline built from preset ``name`` with random weights (seeded, so reproducible): a
+    ``StableDiffusionPipeline``, a ``StableDiffusionXLPipeline`` or a ``StableDiffusionControlNetPipeline``,
+    as the preset's ``pipeline`` key says.
 
     >>> pipe = preset_pipeline("sd15-narrow")
     >>> pipe.unet.config.block_out_channels
     [64, 128, 256, 256]
     """
-    from ppdiffusers import AutoencoderKL, StableDiffusionPipeline, UNet2DConditionModel
+    import ppdiffusers
+    from ppdiffusers import AutoencoderKL, UNet2DConditionModel
 
     config = load_preset(name)
-    tokenizer = tiny_tokenizer(max_length=config.get("tokenizer_max_length", 77))
-    text_encoder = tiny_text_encoder(
-        len(tokenizer.get_vocab()), max_length=config.get("tokenizer_max_length", 77), seed=seed, **config["text_encoder"]
+    kind = config.get("pipeline", "sd")
+    max_length = config.get("tokenizer_max_length", 77)
+    tokenizer = tiny_tokenizer(max_length=max_length)
+    vocab = len(tokenizer.get_vocab())
+    parts: Dict[str, Any] = dict(
+        tokenizer=tokenizer,
+        text_encoder=tiny_text_encoder(vocab, max_length=max_length, seed=seed, **config["text_encoder"]),
     )
     paddle.seed(seed)
-    unet = UNet2DConditionModel(**config["unet"])
+    parts["unet"] = UNet2DConditionModel(**config["unet"])
     paddle.seed(seed + 1)
-    vae = AutoencoderKL(**config["vae"])
-    pipe = StableDiffusionPipeline(
-        vae=vae,
-        text_encoder=text_encoder,
-        tokenizer=tokenizer,
-        unet=unet,
-        scheduler=make_scheduler(scheduler),
-        safety_checker=None,
-        feature_extractor=None,
-        requires_safety_checker=False,
-    )
-    for model in (unet, vae, text_encoder):
-        model.eval()
+    parts["vae"] = AutoencoderKL(**config["vae"])
+    default_scheduler = "DDIMScheduler"
+    if kind == "sdxl":
+        parts["tokenizer_2"] = tiny_tokenizer(max_length=max_length)
+        parts["text_encoder_2"] = tiny_text_encoder(
+            vocab, max_length=max_length, projection=True, seed=seed + 2, **config["text_encoder_2"]
+        )
+        cls, extra = ppdiffusers.StableDiffusionXLPipeline, dict(add_watermarker=False)
+        default_scheduler = "EulerDiscreteScheduler"
+    elif kind in ("sd", "controlnet"):
+        extra = dict(safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+        cls = ppdiffusers.StableDiffusionPipeline
+        if kind == "controlnet":
+            extra["controlnet"] = random_controlnet(parts["unet"], seed + 3, **config["controlnet"])
+            cls = ppdiffusers.StableDiffusionControlNetPipeline
+    else:
+        raise ValueError(f"preset {name!r} has an unknown pipeline kind {kind!r}")
+    pipe = cls(**parts, scheduler=make_scheduler(scheduler or default_scheduler), **extra)
+    for component in pipe.components.values():
+        if isinstance(component, paddle.nn.Layer):
+            component.eval()
     if dtype != "float32":
         pipe.to(dtype=dtype)
     pipe.set_progress_bar_config(disable=True)

@@ -22,6 +22,7 @@ __all__ = [
     "tiny_unet",
     "tiny_vae",
     "tiny_controlnet",
+    "random_controlnet",
     "tiny_sd_pipeline",
     "tiny_controlnet_pipeline",
     "tiny_sdxl_pipeline",
@@ -163,20 +164,27 @@ def tiny_vae(seed: int = 0, block_out_channels: Sequence[int] = (32, 64)):
     return vae
 
 
-def tiny_controlnet(unet, seed: int = 1):
-    """A ``ControlNetModel`` shaped like ``unet`` (random weights; conditioning embedding downsamples by 2)."""
+def random_controlnet(unet, seed: int = 1, conditioning_embedding_out_channels: Sequence[int] = (16, 32)):
+    """A ``ControlNetModel`` shaped like ``unet`` with random weights. A trained ControlNet's output convolutions
+    are not zero, so random ones are drawn for them too: the control signal then really changes the UNet's output."""
     from ppdiffusers import ControlNetModel
 
     paddle.seed(seed)
     controlnet = ControlNetModel.from_unet(
-        unet, conditioning_embedding_out_channels=(16, 32), load_weights_from_unet=False
+        unet,
+        conditioning_embedding_out_channels=tuple(conditioning_embedding_out_channels),
+        load_weights_from_unet=False,
     )
-    # a trained ControlNet's output convolutions are not zero; random ones make the control signal matter
     for name, param in controlnet.named_parameters():
         if name.startswith(("controlnet_down_blocks", "controlnet_mid_block", "controlnet_cond_embedding.conv_out")):
             param.set_value(paddle.randn(param.shape, dtype=param.dtype) * 0.1)
     controlnet.eval()
     return controlnet
+
+
+def tiny_controlnet(unet, seed: int = 1):
+    """A ``ControlNetModel`` shaped like the tiny ``unet`` (conditioning embedding downsamples by 2, as the tiny VAE)."""
+    return random_controlnet(unet, seed, (16, 32))
 
 
 def make_scheduler(name: str):

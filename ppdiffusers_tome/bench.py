@@ -1,0 +1,592 @@
+"""The ``bench`` command: a grid of resolutions x batch sizes x methods, measured side by side in one process.
+
+Methods (``--methods``):
+
+* ``vanilla`` — the unpatched pipeline;
+* ``tome`` — this package at every ``--ratios`` value;
+* ``tome-efficient`` — ToMe plus Paddle's memory-efficient attention, where the device has it (else ``n/a``);
+* ``builtin`` — ppdiffusers' own port (``--compare-builtin`` adds it);
+* ``bound`` — the zero-overhead bound: each block that ToMe would merge runs its attention on the first
+  ``(1 - r) * N`` tokens and pads the output back, with no matching at all. It ruins images; it is the speed
+  ceiling of any token-merging scheme at that ratio, and ToMe's speed is reported as a fraction of it.
+
+Every cell records seconds per image (whole pipeline call) and per UNet forward, speed-up against vanilla, peak
+memory, and fidelity against vanilla with the same seed (PSNR of the decoded image, relative L2 of the first noise
+prediction). With ``--unet-only`` the cell is one denoiser forward on fixed random inputs instead of a pipeline
+call. Out-of-memory is caught and reported as ``OOM`` in its cell; the grid goes on.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import paddle
+
+from . import api
+from .config import ToMeConfig, tokens_to_merge
+from .measure import ForwardTimer, PeakMemory, environment, median, psnr, relative_l2
+from .patch import ModelPatch
+
+logger = logging.getLogger(__name__)
+
+ALL_METHODS = ("vanilla", "tome", "tome-efficient", "builtin", "bound")
+ARCH_PRESETS = {
+    "tiny": "tiny",
+    "sd15": "sd15",
+    "sd15-narrow": "sd15-narrow",
+    "sdxl": "sdxl",
+    "sdxl-narrow": "sdxl-narrow",
+    "controlnet": "controlnet",
+    "controlnet-narrow": "controlnet-narrow",
+    "tiny-sdxl": "tiny-sdxl",
+    "tiny-controlnet": "tiny-controlnet",
+}
+
+
+# the zero-overhead bound ------------------------------------------------------------------------------------------
+class TruncationPlan:
+    """Keep the first ``N - r`` tokens, pad the output back with zeros: the cost of running attention on fewer
+    tokens with no matching at all. Same interface as :class:`ppdiffusers_tome.merge.MergePlan`."""
+
+    def __init__(self, num_tokens: int, batch_size: int, r: int):
+        self.num_tokens, self.batch_size, self.r = num_tokens, batch_size, r
+
+    @property
+    def is_identity(self) -> bool:
+        return self.r <= 0
+
+    def merge(self, x: paddle.Tensor, mode: str = "mean") -> paddle.Tensor:
+        return x[:, : self.num_tokens - self.r]
+
+    def unmerge(self, y: paddle.Tensor) -> paddle.Tensor:
+        pad = paddle.zeros([y.shape[0], self.r, y.shape[2]], dtype=y.dtype)
+        return paddle.concat([y, pad], axis=1)
+
+
+class BoundPatch(ModelPatch):
+    """ToMe's hooks and level selection, with the matching replaced by :class:`TruncationPlan`."""
+
+    def make_plan(self, block_index: int, hidden: Any, grid_h: int, grid_w: int, r: int) -> TruncationPlan:
+        return TruncationPlan(hidden.shape[1], hidden.shape[0], r)
+
+
+# methods ---------------------------------------------------------------------------------------------------------
+@dataclass
+class Method:
+    name: str
+    ratio: float = 0.0
+
+    @property
+    def label(self) -> str:
+        return self.name if self.name == "vanilla" else f"{self.name}@{self.ratio:g}"
+
+
+class NotSupported(Exception):
+    """The method cannot run on this device (reported as ``n/a`` in its cell)."""
+
+
+def configure(pipe, method: Method, max_downsample: int) -> None:
+    """Put ``pipe`` in the state that ``method`` measures."""
+    api.remove_tome(pipe)
+    _set_efficient_attention(pipe, False)
+    if method.name == "vanilla":
+        return
+    if method.name in ("tome", "tome-efficient"):
+        api.apply_tome(pipe, ratio=method.ratio, max_downsample=max_downsample)
+        if method.name == "tome-efficient":
+            _set_efficient_attention(pipe, True)
+    elif method.name == "builtin":
+        for _, model in api._targets(pipe, for_apply=True):
+            paddle.nn.Layer.apply_tome(model, ratio=method.ratio, max_downsample=max_downsample)
+    elif method.name == "bound":
+        config = ToMeConfig(ratio=method.ratio, max_downsample=max_downsample, use_rand=False)
+        for _, model in api._targets(pipe, for_apply=True):
+            BoundPatch.install(model, config)
+    else:
+        raise ValueError(f"method must be one of {ALL_METHODS}; got {method.name!r}")
+
+
+def _set_efficient_attention(pipe, enabled: bool) -> None:
+    if enabled:
+        try:
+            pipe.enable_xformers_memory_efficient_attention()
+        except (NotImplementedError, ValueError, RuntimeError) as error:
+            pipe.disable_xformers_memory_efficient_attention()
+            raise NotSupported(f"efficient attention unavailable: {str(error).splitlines()[0][:120]}") from error
+    else:
+        try:
+            pipe.disable_xformers_memory_efficient_attention()
+        except Exception:  # pragma: no cover - pipelines without attention processors
+            pass
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    if isinstance(error, MemoryError):
+        return True
+    text = f"{type(error).__name__} {error}".lower()
+    return any(k in text for k in ("out of memory", "resourceexhausted", "cannot allocate", "bad_alloc"))
+
+
+# inputs ------------------------------------------------------------------------------------------------------------
+def _control_image(size: int, seed: int):
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    pixels = (rng.uniform(0, 1, (size // 8 + 1, size // 8 + 1, 3)) > 0.5).astype("uint8") * 255
+    return Image.fromarray(pixels).resize((size, size), Image.NEAREST)
+
+
+def _pipeline_kwargs(pipe, size: int, batch: int, steps: int, seed: int, prompt: str) -> Dict[str, Any]:
+    kwargs = dict(
+        prompt=[prompt] * batch,
+        num_inference_steps=steps,
+        height=size,
+        width=size,
+        generator=paddle.Generator().manual_seed(seed),
+        output_type="np",
+    )
+    if "controlnet" in pipe.components and pipe.components["controlnet"] is not None:
+        controlnet = pipe.components["controlnet"]
+        count = len(controlnet.nets) if hasattr(controlnet, "nets") else 1
+        image = _control_image(size, seed)
+        kwargs["image"] = [image] * count if count > 1 else image
+    return kwargs
+
+
+class DenoiserInputs:
+    """Fixed random inputs for one denoiser forward (UNet, plus ControlNet or SDXL conditioning when present),
+    shaped as a pipeline with classifier-free guidance would pass them for ``batch`` images."""
+
+    def __init__(self, pipe, size: int, batch: int, seed: int):
+        rng = np.random.default_rng(seed)
+        unet = self.unet = pipe.unet
+        factor = getattr(pipe, "vae_scale_factor", 8)
+        rows = 2 * batch
+        dtype = unet.dtype if hasattr(unet, "dtype") else paddle.float32
+
+        def tensor(*shape):
+            return paddle.to_tensor(rng.standard_normal(shape).astype("float32")).astype(dtype)
+
+        self.sample = tensor(rows, unet.config.in_channels, size // factor, size // factor)
+        self.timestep = paddle.to_tensor([500] * rows, dtype="int64")
+        self.context = tensor(rows, 77, unet.config.cross_attention_dim)
+        self.unet_kwargs: Dict[str, Any] = {}
+        if getattr(unet.config, "addition_embed_type", None) == "text_time":
+            proj = unet.config.projection_class_embeddings_input_dim - 6 * unet.config.addition_time_embed_dim
+            time_ids = paddle.to_tensor([[size, size, 0, 0, size, size]] * rows, dtype="float32").astype(dtype)
+            self.unet_kwargs["added_cond_kwargs"] = {"text_embeds": tensor(rows, proj), "time_ids": time_ids}
+        self.controlnet = pipe.components.get("controlnet")
+        if self.controlnet is not None:
+            self.cond = tensor(rows, 3, size, size)
+
+    def run(self):
+        kwargs = dict(self.unet_kwargs)
+        if self.controlnet is not None:
+            nets = list(self.controlnet.nets) if hasattr(self.controlnet, "nets") else [self.controlnet]
+            down, mid = None, None
+            for net in nets:
+                d, m = net(self.sample, self.timestep, self.context, controlnet_cond=self.cond, return_dict=False)
+                down = d if down is None else [a + b for a, b in zip(down, d)]
+                mid = m if mid is None else mid + m
+            kwargs.update(down_block_additional_residuals=down, mid_block_additional_residual=mid)
+        return self.unet(self.sample, self.timestep, self.context, **kwargs)
+
+
+# one cell ----------------------------------------------------------------------------------------------------------
+@dataclass
+class Cell:
+    resolution: int
+    batch: int
+    method: str
+    ratio: float
+    status: str = "ok"  # ok | OOM | n/a
+    reason: str = ""
+    seconds_per_image: Optional[float] = None
+    unet_seconds: Optional[float] = None
+    speedup: Optional[float] = None
+    peak_memory_bytes: Optional[int] = None
+    added_memory_bytes: Optional[int] = None
+    memory_kind: str = ""
+    psnr_db: Optional[float] = None
+    rel_l2: Optional[float] = None
+    fraction_of_bound: Optional[float] = None
+    runs_seconds: List[float] = field(default_factory=list)
+
+
+@dataclass
+class BenchSettings:
+    resolutions: Sequence[int] = (512,)
+    batch_sizes: Sequence[int] = (1,)
+    ratios: Sequence[float] = (0.5,)
+    methods: Sequence[str] = ("vanilla", "tome")
+    steps: int = 20
+    repeats: int = 3
+    warmup: int = 1
+    max_downsample: int = 1
+    unet_only: bool = False
+    seed: int = 0
+    prompt: str = "a lighthouse on a cliff at sunset, detailed oil painting"
+
+
+def method_list(settings: BenchSettings) -> List[Method]:
+    methods = []
+    for name in settings.methods:
+        if name not in ALL_METHODS:
+            raise ValueError(f"--methods must be among {ALL_METHODS}; got {name!r}")
+        if name == "vanilla":
+            methods.append(Method("vanilla"))
+        else:
+            methods.extend(Method(name, float(r)) for r in settings.ratios)
+    if not any(m.name == "vanilla" for m in methods):
+        methods.insert(0, Method("vanilla"))  # every ratio is against vanilla
+    return methods
+
+
+class Runner:
+    """Measures one pipeline across the grid."""
+
+    def __init__(self, pipe, settings: BenchSettings, progress: Optional[Callable[[], None]] = None):
+        self.pipe = pipe
+        self.settings = settings
+        self.progress = progress or (lambda: None)
+
+    def _measure_once(self, size: int, batch: int) -> Dict[str, Any]:
+        pipe, s = self.pipe, self.settings
+        first_output: List[np.ndarray] = []
+
+        def capture(layer, args, output):
+            if not first_output:
+                sample = output[0] if isinstance(output, (tuple, list)) else getattr(output, "sample", output)
+                first_output.append(np.asarray(sample.astype("float32").numpy(), dtype=np.float64))
+
+        timer = ForwardTimer(pipe.unet)
+        handle = pipe.unet.register_forward_post_hook(capture)
+        try:
+            with PeakMemory() as mem:
+                start = time.perf_counter()
+                if s.unet_only:
+                    inputs = self._inputs(size, batch)
+                    with paddle.no_grad():
+                        inputs.run()
+                    image = None
+                else:
+                    image = pipe(**_pipeline_kwargs(pipe, size, batch, s.steps, s.seed, s.prompt)).images
+                seconds = time.perf_counter() - start
+        finally:
+            handle.remove()
+            timer.remove()
+        return dict(
+            seconds=seconds,
+            unet_seconds=median(timer.seconds[1:] or timer.seconds),
+            memory=mem,
+            noise=first_output[0] if first_output else None,
+            image=None if image is None else np.asarray(image, dtype=np.float64),
+        )
+
+    def _inputs(self, size: int, batch: int) -> DenoiserInputs:
+        key = (size, batch)
+        if getattr(self, "_inputs_key", None) != key:
+            self._inputs_cache, self._inputs_key = DenoiserInputs(self.pipe, size, batch, self.settings.seed), key
+        return self._inputs_cache
+
+    def run_cell(self, size: int, batch: int, methods: List[Method]) -> List[Cell]:
+        s = self.settings
+        cells = {m.label: Cell(size, batch, m.name, m.ratio) for m in methods}
+        best: Dict[str, Dict[str, Any]] = {}
+        for repeat in range(s.warmup + s.repeats):
+            for method in methods:  # interleaved: drift on a shared machine hits every method alike
+                cell = cells[method.label]
+                if cell.status != "ok":
+                    self.progress()
+                    continue
+                try:
+                    configure(self.pipe, method, s.max_downsample)
+                    result = self._measure_once(size, batch)
+                except NotSupported as error:
+                    cell.status, cell.reason = "n/a", str(error)
+                except Exception as error:  # noqa: BLE001 - only out-of-memory is absorbed
+                    if not is_out_of_memory(error):
+                        raise
+                    cell.status, cell.reason = "OOM", str(error).splitlines()[0][:200] if str(error) else "MemoryError"
+                    logger.warning("%s at %dpx batch %d: out of memory", method.label, size, batch)
+                else:
+                    if repeat >= s.warmup:
+                        cell.runs_seconds.append(result["seconds"])
+                        kept = best.setdefault(method.label, {"unet": []})
+                        kept["unet"].append(result["unet_seconds"])
+                        if "memory" not in kept or result["memory"].peak_bytes > kept["memory"].peak_bytes:
+                            kept["memory"] = result["memory"]
+                        kept["noise"], kept["image"] = result["noise"], result["image"]
+                finally:
+                    api.remove_tome(self.pipe)
+                    self.progress()
+        self._finish(cells, best, batch)
+        return list(cells.values())
+
+    def _finish(self, cells: Dict[str, Cell], best: Dict[str, Dict[str, Any]], batch: int) -> None:
+        vanilla = cells.get("vanilla")
+        ref = best.get("vanilla")
+        for label, cell in cells.items():
+            kept = best.get(label)
+            if cell.status != "ok" or kept is None:
+                continue
+            cell.seconds_per_image = median(cell.runs_seconds) / batch
+            cell.unet_seconds = median(kept["unet"])
+            cell.peak_memory_bytes = int(kept["memory"].peak_bytes)
+            cell.added_memory_bytes = int(kept["memory"].added_bytes)
+            cell.memory_kind = kept["memory"].kind
+            if vanilla is not None and vanilla.status == "ok" and ref is not None:
+                cell.speedup = median(vanilla.runs_seconds) / median(cell.runs_seconds)
+                if ref["noise"] is not None and kept["noise"] is not None:
+                    cell.rel_l2 = relative_l2(ref["noise"], kept["noise"])
+                if ref["image"] is not None and kept["image"] is not None:
+                    cell.psnr_db = psnr(ref["image"], kept["image"])
+        for label, cell in cells.items():
+            bound = cells.get(f"bound@{cell.ratio:g}")
+            if cell.method in ("tome", "tome-efficient", "builtin") and bound is not None:
+                if cell.status == "ok" and bound.status == "ok":
+                    cell.fraction_of_bound = median(bound.runs_seconds) / median(cell.runs_seconds)
+
+
+def run_grid(pipe, settings: BenchSettings, progress: Optional[Callable[[], None]] = None) -> List[Cell]:
+    methods = method_list(settings)
+    runner = Runner(pipe, settings, progress)
+    cells: List[Cell] = []
+    for size in settings.resolutions:
+        for batch in settings.batch_sizes:
+            cells.extend(runner.run_cell(size, batch, methods))
+    return cells
+
+
+def grid_steps(settings: BenchSettings) -> int:
+    """Measurements in a grid, for a progress bar."""
+    per_cell = len(method_list(settings)) * (settings.warmup + settings.repeats)
+    return per_cell * len(settings.resolutions) * len(settings.batch_sizes)
+
+
+# time split of one UNet forward ------------------------------------------------------------------------------------
+def time_split(pipe, settings: BenchSettings, size: int, batch: int, method: Method) -> Dict[str, float]:
+    """Seconds of one denoiser forward spent in self-attention, in ToMe's matching (plans, merges, unmerges) and
+    in the rest, for ``method`` at ``size``/``batch``."""
+    configure(pipe, method, settings.max_downsample)
+    attn_layers = [block.attn1 for _, model in api._targets(pipe, for_apply=False) for _, block in _blocks(model)]
+    totals = {"attention": 0.0, "matching": 0.0}
+    outer_start: Dict[int, float] = {}
+    inner_start: Dict[int, float] = {}
+    inner_seconds: Dict[int, float] = {}
+    sync = paddle.device.cuda.synchronize if paddle.get_device().startswith("gpu") else (lambda: None)
+
+    # outer hooks run first/last around ToMe's merge/unmerge hooks, inner ones right around the attention itself
+    def outer_pre(layer, args):
+        sync()
+        outer_start[id(layer)] = time.perf_counter()
+
+    def inner_pre(layer, args):
+        sync()
+        inner_start[id(layer)] = time.perf_counter()
+
+    def inner_post(layer, args, output):
+        sync()
+        inner_seconds[id(layer)] = time.perf_counter() - inner_start[id(layer)]
+        totals["attention"] += inner_seconds[id(layer)]
+
+    def outer_post(layer, args, output):
+        sync()
+        totals["matching"] += time.perf_counter() - outer_start[id(layer)] - inner_seconds[id(layer)]
+
+    handles = []
+    for layer in attn_layers:
+        handles.append(layer.register_forward_pre_hook(inner_pre))
+        handles.append(layer.register_forward_post_hook(inner_post, prepend=True))
+        if method.name != "vanilla":  # merge/unmerge hooks exist only with ToMe
+            handles.append(layer.register_forward_pre_hook(outer_pre, prepend=True))
+            handles.append(layer.register_forward_post_hook(outer_post))
+    patches = [p for p in (_patch_of(m) for _, m in api._targets(pipe, for_apply=False)) if p is not None]
+    originals = [p.plan_for for p in patches]
+
+    def timed(fn):
+        def wrapper(*args):
+            sync()
+            start = time.perf_counter()
+            try:
+                return fn(*args)
+            finally:
+                sync()
+                totals["matching"] += time.perf_counter() - start
+
+        return wrapper
+
+    for patch in patches:
+        patch.plan_for = timed(patch.plan_for)
+    try:
+        runner = Runner(pipe, BenchSettings(**{**asdict(settings), "unet_only": True}))
+        inputs = runner._inputs(size, batch)
+        with paddle.no_grad():
+            inputs.run()  # warm-up
+            totals["attention"] = totals["matching"] = 0.0
+            sync()
+            start = time.perf_counter()
+            inputs.run()
+            sync()
+            total = time.perf_counter() - start
+    finally:
+        for handle in handles:
+            handle.remove()
+        for patch, original in zip(patches, originals):
+            patch.plan_for = original
+        api.remove_tome(pipe)
+    return {"attention": totals["attention"], "matching": totals["matching"],
+            "rest": max(total - totals["attention"] - totals["matching"], 0.0), "total": total}
+
+
+def _blocks(model):
+    from .patch import find_blocks
+
+    return find_blocks(model)
+
+
+def _patch_of(model):
+    from .patch import get_patch
+
+    return get_patch(model)
+
+
+# output ----------------------------------------------------------------------------------------------------------
+def format_table(cells: List[Cell], methods: List[Method]) -> str:
+    """The seeds' layout: one row per resolution x batch, one column per method (seconds per image and speed-up)."""
+    labels = [m.label for m in methods]
+    header = ["resolution", "batch"] + labels
+    rows = [header]
+    by_key: Dict[Tuple[int, int], Dict[str, Cell]] = {}
+    for cell in cells:
+        label = Method(cell.method, cell.ratio).label
+        by_key.setdefault((cell.resolution, cell.batch), {})[label] = cell
+    for (size, batch), row_cells in by_key.items():
+        row = [f"{size}x{size}", str(batch)]
+        for label in labels:
+            cell = row_cells.get(label)
+            if cell is None:
+                row.append("-")
+            elif cell.status != "ok":
+                row.append(cell.status)
+            elif cell.method == "vanilla":
+                row.append(f"{cell.seconds_per_image:.2f} s")
+            else:
+                gain = (cell.speedup - 1.0) * 100.0 if cell.speedup is not None else float("nan")
+                row.append(f"{cell.seconds_per_image:.2f} s ({gain:+.1f}%)")
+        rows.append(row)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines = [" | ".join(c.ljust(widths[i]) for i, c in enumerate(r)) for r in rows]
+    lines.insert(1, "-+-".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def format_details(cells: List[Cell]) -> str:
+    header = ["resolution", "batch", "method", "status", "s/image", "UNet s", "speed-up", "added MiB", "PSNR", "rel L2", "of bound"]
+    rows = [header]
+    for c in cells:
+        label = Method(c.method, c.ratio).label
+
+        def fmt(value, pattern):
+            return "-" if value is None else pattern.format(value)
+
+        rows.append([
+            str(c.resolution), str(c.batch), label, c.status,
+            fmt(c.seconds_per_image, "{:.3f}"), fmt(c.unet_seconds, "{:.3f}"), fmt(c.speedup, "{:.2f}x"),
+            fmt(None if c.added_memory_bytes is None else c.added_memory_bytes / 2**20, "{:.0f}"),
+            "inf" if c.psnr_db == float("inf") else fmt(c.psnr_db, "{:.1f}"), fmt(c.rel_l2, "{:.4f}"),
+            fmt(c.fraction_of_bound, "{:.1%}"),
+        ])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines = [" | ".join(c.ljust(widths[i]) for i, c in enumerate(r)) for r in rows]
+    lines.insert(1, "-+-".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def write_plots(cells: List[Cell], split: Dict[str, Dict[str, float]], folder: str) -> List[str]:
+    """Speed-up vs ratio per resolution, peak memory vs resolution, and the time split; returns the PNG paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    ok = [c for c in cells if c.status == "ok"]
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for (size, batch) in sorted({(c.resolution, c.batch) for c in ok}):
+        for name in ("tome", "builtin", "bound"):
+            pts = sorted((c.ratio, c.speedup) for c in ok if (c.resolution, c.batch, c.method) == (size, batch, name) and c.speedup)
+            if pts:
+                ax.plot([0.0] + [p[0] for p in pts], [1.0] + [p[1] for p in pts], marker="o",
+                        linestyle="-" if name == "tome" else "--", label=f"{name} {size}px b{batch}")
+    ax.set_xlabel("ratio")
+    ax.set_ylabel("speed-up vs vanilla")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(os.path.join(folder, "speedup_vs_ratio.png"))
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for label in sorted({Method(c.method, c.ratio).label for c in ok}):
+        pts = sorted((c.resolution, c.added_memory_bytes / 2**20) for c in ok if Method(c.method, c.ratio).label == label and c.batch == min(x.batch for x in ok))
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+    ax.set_xlabel("resolution (px)")
+    ax.set_ylabel("peak memory added by the call (MiB)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(os.path.join(folder, "memory_vs_resolution.png"))
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    if split:
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        names = list(split)
+        bottom = np.zeros(len(names))
+        for part in ("attention", "matching", "rest"):
+            values = np.array([split[n][part] for n in names])
+            ax.bar(names, values, bottom=bottom, label=part)
+            bottom += values
+        ax.set_ylabel("seconds per UNet forward")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        paths.append(os.path.join(folder, "time_split.png"))
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+    return paths
+
+
+def record(cells: List[Cell], settings: BenchSettings, source: str, threads: int, dtype: str,
+           split: Dict[str, Dict[str, float]]) -> Dict[str, Any]:
+    return {
+        "command": "bench",
+        "source": source,
+        "environment": environment(threads, dtype),
+        "settings": asdict(settings),
+        "cells": [asdict(c) for c in cells],
+        "time_split": split,
+    }
+
+
+def save_json(data: Dict[str, Any], path: str) -> None:
+    def clean(value):
+        if isinstance(value, float) and (math.isinf(value) or math.isnan(value)):
+            return str(value)
+        if isinstance(value, dict):
+            return {k: clean(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [clean(v) for v in value]
+        return value
+
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(clean(data), f, indent=2)

@@ -1,0 +1,149 @@
+"""The benchmark engine (ppdiffusers_tome/bench.py) and the ``bench`` command on tiny presets."""
+
+import json
+
+import numpy as np
+import paddle
+import pytest
+from PIL import Image
+
+import ppdiffusers_tome
+from ppdiffusers_tome import bench
+from ppdiffusers_tome.cli import main
+from ppdiffusers_tome.patch import get_patch
+from ppdiffusers_tome.presets import preset_pipeline
+from tests.test_patch import unet_inputs
+
+QUICK = ["--resolutions", "32", "--steps", "1", "--repeats", "1", "--warmup", "0", "--threads", "1"]
+CELL_KEYS = {
+    "resolution", "batch", "method", "ratio", "status", "reason", "seconds_per_image", "unet_seconds", "speedup",
+    "peak_memory_bytes", "added_memory_bytes", "memory_kind", "psnr_db", "rel_l2", "fraction_of_bound",
+    "runs_seconds",
+}
+
+
+def load(folder):
+    with open(folder / "results.json", encoding="utf-8") as f:
+        return json.load(f)
+
+
+def test_bench_fills_every_cell_and_writes_json_and_plots(tmp_path, capsys):
+    args = ["bench", "--arch", "tiny", *QUICK, "--batch-sizes", "1", "2", "--ratios", "0.3", "0.5",
+            "--compare-builtin", "--output", str(tmp_path)]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    data = load(tmp_path)
+    cells = data["cells"]
+    labels = {(c["batch"], c["method"], c["ratio"]) for c in cells}
+    expected_methods = [("vanilla", 0.0)] + [(m, r) for m in ("tome", "tome-efficient", "bound", "builtin") for r in (0.3, 0.5)]
+    assert labels == {(b, m, r) for b in (1, 2) for m, r in expected_methods}
+    for cell in cells:
+        assert set(cell) == CELL_KEYS
+        if cell["method"] == "tome-efficient":
+            assert cell["status"] == "n/a" and "efficient attention" in cell["reason"]  # no such kernel on CPU
+            continue
+        assert cell["status"] == "ok"
+        assert cell["seconds_per_image"] > 0 and cell["unet_seconds"] > 0 and cell["speedup"] > 0
+        assert cell["peak_memory_bytes"] > 0 and cell["memory_kind"] == "cpu_peak_rss"
+        if cell["method"] == "vanilla":
+            assert cell["psnr_db"] == "inf" and cell["rel_l2"] == 0.0
+        else:
+            assert 0 < cell["rel_l2"] < 1 and 5 < cell["psnr_db"] < 100
+        if cell["method"] in ("tome", "builtin"):
+            assert cell["fraction_of_bound"] > 0
+    env = data["environment"]
+    assert env["threads"] == 1 and env["dtype"] == "float32" and env["device"] == "cpu" and env["paddle"]
+    assert set(data["time_split"]) == {"vanilla", "tome@0.3", "tome@0.5"}
+    assert data["time_split"]["vanilla"]["matching"] == 0.0 and data["time_split"]["tome@0.5"]["matching"] > 0
+    for path in data["plots"]:
+        with Image.open(path) as png:
+            png.verify()
+    assert len(data["plots"]) == 3
+    table = out.split("seconds per image (speed-up vs vanilla):")[1]
+    assert table.count("32x32") == 2 and "n/a" in table and "tome@0.5" in table and "builtin@0.3" in table
+
+
+def test_out_of_memory_is_reported_in_its_cell_and_the_grid_goes_on(tmp_path, monkeypatch, capsys):
+    real = bench.Runner._measure_once
+
+    def measure(self, size, batch):
+        if size == 64 and get_patch(self.pipe.unet) is None:  # vanilla at 64 px "runs out of memory"
+            raise MemoryError("simulated")
+        if size == 64 and batch == 2:
+            raise RuntimeError("ResourceExhaustedError: Out of memory error on CPU (simulated)")
+        return real(self, size, batch)
+
+    monkeypatch.setattr(bench.Runner, "_measure_once", measure)
+    args = ["bench", "--arch", "tiny", *QUICK, "--resolutions", "32", "64", "--batch-sizes", "1", "2",
+            "--methods", "vanilla", "tome", "--no-time-split", "--output", str(tmp_path)]
+    assert main(args) == 0
+    cells = {(c["resolution"], c["batch"], c["method"]): c for c in load(tmp_path)["cells"]}
+    assert cells[(64, 1, "vanilla")]["status"] == "OOM" and cells[(64, 2, "vanilla")]["status"] == "OOM"
+    assert cells[(64, 2, "tome")]["status"] == "OOM"
+    assert cells[(64, 1, "tome")]["status"] == "ok" and cells[(64, 1, "tome")]["speedup"] is None
+    assert all(c["status"] == "ok" for (size, _, _), c in cells.items() if size == 32)
+    assert "OOM" in capsys.readouterr().out
+
+
+def test_other_errors_are_not_swallowed(monkeypatch, tmp_path):
+    def measure(self, size, batch):
+        raise ZeroDivisionError("a real bug")
+
+    monkeypatch.setattr(bench.Runner, "_measure_once", measure)
+    with pytest.raises(ZeroDivisionError):
+        main(["bench", "--arch", "tiny", *QUICK, "--no-time-split", "--no-plots", "--output", str(tmp_path)])
+
+
+@pytest.mark.parametrize("arch", ["tiny-sdxl", "tiny-controlnet"])
+def test_unet_only_mode_on_sdxl_and_controlnet_layouts(arch, tmp_path):
+    args = ["bench", "--arch", arch, *QUICK, "--unet-only", "--methods", "vanilla", "tome", "bound",
+            "--no-time-split", "--no-plots", "--output", str(tmp_path)]
+    assert main(args) == 0
+    cells = {c["method"]: c for c in load(tmp_path)["cells"]}
+    assert cells["tome"]["status"] == "ok" and cells["tome"]["psnr_db"] is None  # no image in UNet-only mode
+    assert 0 < cells["tome"]["rel_l2"] < 1 and 0 < cells["bound"]["rel_l2"]
+    assert load(tmp_path)["settings"]["max_downsample"] == (2 if arch == "tiny-sdxl" else 1)
+
+
+def test_bench_rejects_bad_input_clearly(tmp_path, capsys):
+    assert main(["bench", "--arch", "tiny", *QUICK, "--ratios", "0.9", "--output", str(tmp_path)]) == 2
+    assert "ratio must be in" in capsys.readouterr().err
+    assert main(["bench", "--arch", "tiny", *QUICK, "--dtype", "float16", "--output", str(tmp_path)]) == 2
+    assert "needs a GPU" in capsys.readouterr().err
+
+
+def test_bound_truncates_without_matching_and_pads_back():
+    plan = bench.TruncationPlan(num_tokens=10, batch_size=2, r=4)
+    x = paddle.randn([2, 10, 3])
+    merged = plan.merge(x)
+    np.testing.assert_array_equal(merged.numpy(), x.numpy()[:, :6])
+    back = plan.unmerge(merged).numpy()
+    np.testing.assert_array_equal(back[:, :6], x.numpy()[:, :6])
+    assert (back[:, 6:] == 0).all()
+
+
+def test_bound_method_merges_in_the_same_blocks_as_tome():
+    pipe = preset_pipeline("tiny")
+    inputs = unet_inputs(pipe.unet)
+    counts = {}
+    for method in (bench.Method("tome", 0.5), bench.Method("bound", 0.5)):
+        bench.configure(pipe, method, max_downsample=1)
+        with paddle.no_grad():
+            pipe.unet(*inputs)
+        counts[method.name] = (get_patch(pipe.unet).state.merged_blocks, get_patch(pipe.unet).state.merges)
+        ppdiffusers_tome.remove_tome(pipe)
+    assert counts["tome"] == counts["bound"] == (3, 3)
+    assert get_patch(pipe.unet) is None
+
+
+def test_method_list_always_starts_with_vanilla():
+    settings = bench.BenchSettings(methods=("tome", "bound"), ratios=(0.3, 0.6))
+    assert [m.label for m in bench.method_list(settings)] == ["vanilla", "tome@0.3", "tome@0.6", "bound@0.3", "bound@0.6"]
+    with pytest.raises(ValueError, match="--methods must be among"):
+        bench.method_list(bench.BenchSettings(methods=("fast",)))
+
+
+def test_out_of_memory_detection():
+    assert bench.is_out_of_memory(MemoryError())
+    assert bench.is_out_of_memory(RuntimeError("(ResourceExhausted) Out of memory error on GPU 0"))
+    assert not bench.is_out_of_memory(ValueError("shape mismatch"))
