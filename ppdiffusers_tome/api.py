@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -171,19 +172,8 @@ def tome_stats(obj: Any) -> Dict[str, Dict[str, int]]:
 
 
 # methods on ppdiffusers classes ---------------------------------------------------------------------------------
-def _apply_method(
-    self,
-    ratio: float = 0.5,
-    max_downsample: int = 1,
-    sx: int = 2,
-    sy: int = 2,
-    use_rand: bool = True,
-    merge_attn: bool = True,
-    merge_crossattn: bool = False,
-    merge_mlp: bool = False,
-    seed: int = 0,
-):
-    return apply_tome(self, ratio, max_downsample, sx, sy, use_rand, merge_attn, merge_crossattn, merge_mlp, seed)
+def _apply_method(self, *args, **kwargs):
+    return apply_tome(self, *args, **kwargs)
 
 
 def _remove_method(self, only_return_self: bool = True):
@@ -195,6 +185,10 @@ def _remove_method(self, only_return_self: bool = True):
 
 
 _apply_method.__doc__ = apply_tome.__doc__
+_apply_method.__signature__ = inspect.signature(apply_tome).replace(  # what help(pipe.apply_tome) shows
+    parameters=[inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    + list(inspect.signature(apply_tome).parameters.values())[1:]
+)
 _remove_method.__doc__ = remove_tome.__doc__
 _apply_method.__name__, _remove_method.__name__ = "apply_tome", "remove_tome"
 

@@ -317,6 +317,8 @@ class Runner:
                     cell.status, cell.reason = "OOM", str(error).splitlines()[0][:200] if str(error) else "MemoryError"
                     logger.warning("%s at %dpx batch %d: out of memory", method.label, size, batch)
                 else:
+                    logger.info("%dpx batch %d %-18s %s %d: %.2f s", size, batch, method.label,
+                                "warm-up" if repeat < s.warmup else "run", repeat + 1, result["seconds"])
                     if repeat >= s.warmup:
                         cell.runs_seconds.append(result["seconds"])
                         kept = best.setdefault(method.label, {"unet": []})
@@ -517,37 +519,42 @@ def write_plots(cells: List[Cell], split: Dict[str, Dict[str, float]], folder: s
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    paths = []
+    paths: List[str] = []
+
+    def save(fig, ax, name: str, xlabel: Optional[str], ylabel: str) -> None:
+        if xlabel:
+            ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        paths.append(os.path.join(folder, name))
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+
     ok = [c for c in cells if c.status == "ok"]
     fig, ax = plt.subplots(figsize=(5, 3.5))
-    for (size, batch) in sorted({(c.resolution, c.batch) for c in ok}):
+    for size, batch in sorted({(c.resolution, c.batch) for c in ok}):
         for name in ("tome", "builtin", "bound"):
-            pts = sorted((c.ratio, c.speedup) for c in ok if (c.resolution, c.batch, c.method) == (size, batch, name) and c.speedup)
+            pts = sorted(
+                (c.ratio, c.speedup) for c in ok if (c.resolution, c.batch, c.method) == (size, batch, name) and c.speedup
+            )
             if pts:
                 ax.plot([0.0] + [p[0] for p in pts], [1.0] + [p[1] for p in pts], marker="o",
                         linestyle="-" if name == "tome" else "--", label=f"{name} {size}px b{batch}")
-    ax.set_xlabel("ratio")
-    ax.set_ylabel("speed-up vs vanilla")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    paths.append(os.path.join(folder, "speedup_vs_ratio.png"))
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    save(fig, ax, "speedup_vs_ratio.png", "ratio", "speed-up vs vanilla")
 
     fig, ax = plt.subplots(figsize=(5, 3.5))
+    smallest_batch = min((c.batch for c in ok), default=1)
     for label in sorted({Method(c.method, c.ratio).label for c in ok}):
-        pts = sorted((c.resolution, c.added_memory_bytes / 2**20) for c in ok if Method(c.method, c.ratio).label == label and c.batch == min(x.batch for x in ok))
+        pts = sorted(
+            (c.resolution, c.added_memory_bytes / 2**20)
+            for c in ok
+            if Method(c.method, c.ratio).label == label and c.batch == smallest_batch
+        )
         if pts:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
-    ax.set_xlabel("resolution (px)")
-    ax.set_ylabel("peak memory added by the call (MiB)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    paths.append(os.path.join(folder, "memory_vs_resolution.png"))
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    save(fig, ax, "memory_vs_resolution.png", "resolution (px)", "peak memory added by the call (MiB)")
 
     if split:
         fig, ax = plt.subplots(figsize=(5, 3.5))
@@ -557,12 +564,7 @@ def write_plots(cells: List[Cell], split: Dict[str, Dict[str, float]], folder: s
             values = np.array([split[n][part] for n in names])
             ax.bar(names, values, bottom=bottom, label=part)
             bottom += values
-        ax.set_ylabel("seconds per UNet forward")
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        paths.append(os.path.join(folder, "time_split.png"))
-        fig.savefig(paths[-1], dpi=110)
-        plt.close(fig)
+        save(fig, ax, "time_split.png", None, "seconds per UNet forward")
     return paths
 
 

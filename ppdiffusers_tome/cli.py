@@ -1,4 +1,4 @@
-"""Command line: ``ppdiffusers-tome demo|bench`` (also ``python -m ppdiffusers_tome demo|bench``).
+"""Command line: ``ppdiffusers-tome demo|bench|figure`` (also ``python -m ppdiffusers_tome ...``).
 
 ``demo`` runs a pipeline with and without ToMe side by side at one resolution, prints a table (time, speed-up, peak
 memory, difference to vanilla), and writes a PNG grid and a JSON record. With no ``--model`` it uses the embedded
@@ -79,6 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-plots", action="store_true")
     bench.add_argument("--no-time-split", action="store_true", help="skip the attention/matching/rest split")
     bench.add_argument("--output", default=os.path.join("outputs", "bench"), help="folder for results.json and plots")
+
+    figure = sub.add_parser("figure", help="draw the README figure: one ToMe plan on a token grid")
+    figure.add_argument("--ratio", type=float, default=0.5)
+    figure.add_argument("--grid", type=_positive_int, default=24, help="tokens per side")
+    figure.add_argument("--seed", type=int, default=0)
+    figure.add_argument("--output", default=os.path.join("outputs", "tome_plan.png"))
     return parser
 
 
@@ -290,6 +296,21 @@ def run_bench(args: argparse.Namespace) -> Dict[str, Any]:
     return data
 
 
+def run_figure(args: argparse.Namespace) -> Dict[str, Any]:
+    from .config import ToMeConfig
+    from .figure import draw_plan_figure
+
+    ToMeConfig(ratio=args.ratio)
+    image, info = draw_plan_figure(ratio=args.ratio, grid=args.grid, seed=args.seed)
+    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+    image.save(args.output)
+    sys.stdout.write(
+        f"{info['grid']}x{info['grid']} tokens, {info['dst']} dst, {info['merged']} merged at ratio {args.ratio:g}: "
+        f"wrote {args.output}\n"
+    )
+    return info
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     args = build_parser().parse_args(argv)
@@ -298,6 +319,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             run_demo(args)
         elif args.command == "bench":
             run_bench(args)
+        elif args.command == "figure":
+            run_figure(args)
     except ValueError as error:  # bad input: a clear message, not a traceback
         sys.stderr.write(f"ppdiffusers-tome {args.command}: error: {error}\n")
         return 2

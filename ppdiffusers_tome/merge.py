@@ -147,6 +147,13 @@ def grid_partition(
     return np.flatnonzero(~is_dst).astype(np.int64), dst_pos
 
 
+def _rows_in_work_dtype(x: paddle.Tensor) -> Tuple[paddle.Tensor, str]:
+    """``x`` as ``[rows, channels]`` in the dtype merge arithmetic runs in (see :func:`compute_dtype`)."""
+    work = compute_dtype(x.dtype)
+    flat = x.reshape([-1, x.shape[-1]])
+    return (flat if _dtype_name(x.dtype) == work else flat.astype(work)), work
+
+
 class MergePlan:
     """The result of matching: how to merge ``[B, N, C]`` tokens to ``[B, N - r, C]`` and back.
 
@@ -208,20 +215,13 @@ class MergePlan:
         self._check(x, self.num_tokens, "merge")
         if self.is_identity:
             return x
-        in_dtype = _dtype_name(x.dtype)
-        work = compute_dtype(in_dtype)
-        channels = x.shape[-1]
-        flat = x.reshape([-1, channels])
-        if work != in_dtype:
-            flat = flat.astype(work)
+        flat, work = _rows_in_work_dtype(x)
         out = paddle.gather(flat, self._keep_rows)
         src = paddle.gather(flat, self._src_rows)
         if mode == "mean":  # dst + sum(src - dst) / (1 + k) == (dst + sum(src)) / (1 + k)
             src = (src - paddle.gather(flat, self._into_rows)) * self._src_scale.astype(work)
         out = paddle.index_add(out, self._target_rows, 0, src)
-        if work != in_dtype:
-            out = out.astype(in_dtype)
-        return out.reshape([self.batch_size, self.merged_tokens, channels])
+        return out.astype(x.dtype).reshape([self.batch_size, self.merged_tokens, x.shape[-1]])
 
     def unmerge(self, y: paddle.Tensor) -> paddle.Tensor:
         """Map ``y`` of shape ``[B, N - r, C]`` back to ``[B, N, C]``: every token gets the row it was merged into
@@ -229,16 +229,9 @@ class MergePlan:
         self._check(y, self.merged_tokens, "unmerge")
         if self.is_identity:
             return y
-        in_dtype = _dtype_name(y.dtype)
-        work = compute_dtype(in_dtype)
-        channels = y.shape[-1]
-        flat = y.reshape([-1, channels])
-        if work != in_dtype:  # Paddle's CPU build has no half-precision gather; the round trip is exact
-            flat = flat.astype(work)
+        flat, _ = _rows_in_work_dtype(y)  # (Paddle's CPU build has no half-precision gather; the round trip is exact)
         out = paddle.gather(flat, self._unmerge_rows)
-        if work != in_dtype:
-            out = out.astype(in_dtype)
-        return out.reshape([self.batch_size, self.num_tokens, channels])
+        return out.astype(y.dtype).reshape([self.batch_size, self.num_tokens, y.shape[-1]])
 
 
 def bipartite_soft_matching_random2d(

@@ -73,3 +73,22 @@ def test_presets_are_listed_and_validated():
     assert load_preset("sd15")["unet"]["block_out_channels"] == [320, 640, 1280, 1280]
     with pytest.raises(ValueError, match="preset must be one of"):
         load_preset("sd99")
+
+
+def test_figure_draws_a_real_plan(tmp_path, capsys):
+    path = tmp_path / "plan.png"
+    assert main(["figure", "--ratio", "0.5", "--grid", "12", "--output", str(path)]) == 0
+    assert "12x12 tokens, 36 dst, 72 merged at ratio 0.5" in capsys.readouterr().out
+    with Image.open(path) as image:
+        assert image.size[0] > image.size[1] > 12 * 14
+        pixels = np.asarray(image.convert("RGB"))
+    assert len(np.unique(pixels.reshape(-1, 3), axis=0)) > 20  # tokens, group colours and outlines were drawn
+
+
+def test_figure_reports_the_plan():
+    from ppdiffusers_tome.figure import draw_plan_figure
+
+    _, info = draw_plan_figure(ratio=0.5, grid=12, cell=2)
+    assert info == {"tokens": 144, "dst": 36, "merged": 72, "grid": 12, "ratio": 0.5}
+    _, none = draw_plan_figure(ratio=0.0, grid=12, cell=2)
+    assert none["merged"] == 0

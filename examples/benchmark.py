@@ -1,0 +1,42 @@
+"""Benchmark a pipeline with and without ToMe from Python (the same engine as ``ppdiffusers-tome bench``).
+
+    python examples/benchmark.py                                    # tiny preset, a few seconds
+    python examples/benchmark.py --arch sd15-narrow --resolution 512 --ratios 0.3 0.5
+    python examples/benchmark.py --model /path/to/stable-diffusion-v1-5 --resolution 768
+"""
+
+import argparse
+import logging
+import os
+
+from ppdiffusers_tome import bench
+from ppdiffusers_tome.presets import load_local_pipeline, preset_pipeline
+
+logger = logging.getLogger("benchmark")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", help="local pipeline folder; default: --arch")
+    parser.add_argument("--arch", default="tiny", choices=sorted(bench.ARCH_PRESETS))
+    parser.add_argument("--resolution", type=int, default=32)
+    parser.add_argument("--ratios", type=float, nargs="+", default=[0.3, 0.5])
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--output", default=os.path.join("outputs", "examples", "benchmark"))
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+
+    pipe = load_local_pipeline(args.model) if args.model else preset_pipeline(bench.ARCH_PRESETS[args.arch])
+    settings = bench.BenchSettings(resolutions=[args.resolution], ratios=args.ratios, steps=args.steps,
+                                   repeats=args.repeats, methods=("vanilla", "tome", "bound"))
+    cells = bench.run_grid(pipe, settings)
+    methods = bench.method_list(settings)
+    logger.info("%s\n\n%s", bench.format_table(cells, methods), bench.format_details(cells))
+    os.makedirs(args.output, exist_ok=True)
+    for path in bench.write_plots(cells, {}, args.output):
+        logger.info("plot: %s", path)
+
+
+if __name__ == "__main__":
+    main()

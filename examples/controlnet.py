@@ -1,0 +1,57 @@
+"""ControlNet with ToMe: the same call patches the UNet and the ControlNet.
+
+    python examples/controlnet.py                                   # tiny built-in model with a ControlNet
+    python examples/controlnet.py --model /path/to/sd15-controlnet-canny-pipeline --control edges.png --resolution 512
+"""
+
+import argparse
+import logging
+import os
+
+import numpy as np
+import paddle
+from PIL import Image
+
+import ppdiffusers_tome
+from ppdiffusers_tome.presets import load_local_pipeline, preset_pipeline
+
+logger = logging.getLogger("controlnet")
+
+
+def edge_map(size):
+    """A white-on-black outline of a house, the kind of image a canny ControlNet expects."""
+    canvas = np.zeros((size, size), dtype="uint8")
+    a, b = size // 4, 3 * size // 4
+    canvas[b, a:b] = canvas[size // 2 : b, a] = canvas[size // 2 : b, b] = 255
+    for i in range(a, b + 1):  # the roof
+        top = size // 2 - (size // 4 - abs(i - size // 2))
+        canvas[max(top, 0), i] = 255
+    return Image.fromarray(np.stack([canvas] * 3, axis=-1))
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", help="local StableDiffusionControlNetPipeline folder; default: tiny preset")
+    parser.add_argument("--control", help="control image; default: a generated edge map")
+    parser.add_argument("--prompt", default="a cosy cottage in the woods, storybook illustration")
+    parser.add_argument("--resolution", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--ratio", type=float, default=0.5)
+    parser.add_argument("--output", default=os.path.join("outputs", "examples", "controlnet"))
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+
+    pipe = load_local_pipeline(args.model) if args.model else preset_pipeline("tiny-controlnet")
+    control = Image.open(args.control).convert("RGB") if args.control else edge_map(args.resolution)
+    os.makedirs(args.output, exist_ok=True)
+    control.save(os.path.join(args.output, "control.png"))
+    pipe.apply_tome(ratio=args.ratio)  # UNet and ControlNet both
+    image = pipe(args.prompt, image=control, height=args.resolution, width=args.resolution,
+                 num_inference_steps=args.steps, generator=paddle.Generator().manual_seed(0)).images[0]
+    image.save(os.path.join(args.output, "tome.png"))
+    logger.info("patched components: %s", ppdiffusers_tome.tome_stats(pipe))
+    pipe.remove_tome()
+
+
+if __name__ == "__main__":
+    main()
