@@ -427,6 +427,16 @@ def time_split(pipe, settings: BenchSettings, size: int, batch: int, method: Met
 
     for patch in patches:
         patch.plan_for = timed(patch.plan_for)
+    builtin_module, builtin_compute = None, None
+    if method.name == "builtin":  # the built-in port merges inside its copied block forward: time its functions
+        from ppdiffusers.patches import tomesd_patch_utils as builtin_module
+
+        builtin_compute = builtin_module.compute_merge
+
+        def compute_merge(*args):
+            return tuple(timed(fn) for fn in timed(builtin_compute)(*args))
+
+        builtin_module.compute_merge = compute_merge
     try:
         runner = Runner(pipe, BenchSettings(**{**asdict(settings), "unet_only": True}))
         inputs = runner._inputs(size, batch)
@@ -443,6 +453,8 @@ def time_split(pipe, settings: BenchSettings, size: int, batch: int, method: Met
             handle.remove()
         for patch, original in zip(patches, originals):
             patch.plan_for = original
+        if builtin_module is not None:
+            builtin_module.compute_merge = builtin_compute
         api.remove_tome(pipe)
     return {"attention": totals["attention"], "matching": totals["matching"],
             "rest": max(total - totals["attention"] - totals["matching"], 0.0), "total": total}
@@ -513,7 +525,8 @@ def format_details(cells: List[Cell]) -> str:
 
 
 def write_plots(cells: List[Cell], split: Dict[str, Dict[str, float]], folder: str) -> List[str]:
-    """Speed-up vs ratio per resolution, peak memory vs resolution, and the time split; returns the PNG paths."""
+    """Speed-up vs ratio per resolution, peak memory vs resolution (vs ratio when there is one resolution), and
+    the time split; returns the PNG paths."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -546,15 +559,21 @@ def write_plots(cells: List[Cell], split: Dict[str, Dict[str, float]], folder: s
 
     fig, ax = plt.subplots(figsize=(5, 3.5))
     smallest_batch = min((c.batch for c in ok), default=1)
-    for label in sorted({Method(c.method, c.ratio).label for c in ok}):
-        pts = sorted(
-            (c.resolution, c.added_memory_bytes / 2**20)
-            for c in ok
-            if Method(c.method, c.ratio).label == label and c.batch == smallest_batch
-        )
-        if pts:
+    rows = [c for c in ok if c.batch == smallest_batch and c.added_memory_bytes is not None]
+    if len({c.resolution for c in rows}) > 1:  # memory against resolution, one line per method
+        for label in sorted({Method(c.method, c.ratio).label for c in rows}):
+            pts = sorted((c.resolution, c.added_memory_bytes / 2**20) for c in rows if Method(c.method, c.ratio).label == label)
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
-    save(fig, ax, "memory_vs_resolution.png", "resolution (px)", "peak memory added by the call (MiB)")
+        save(fig, ax, "memory_vs_resolution.png", "resolution (px)", "peak memory added by the call (MiB)")
+    else:  # one resolution: memory against ratio, one line per method (vanilla is ratio 0 of each)
+        vanilla = [c for c in rows if c.method == "vanilla"]
+        for name in ("tome", "builtin", "bound"):
+            pts = sorted((c.ratio, c.added_memory_bytes / 2**20) for c in rows if c.method == name)
+            if pts:
+                pts = [(0.0, vanilla[0].added_memory_bytes / 2**20)] + pts if vanilla else pts
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+        size = rows[0].resolution if rows else 0
+        save(fig, ax, "memory_vs_ratio.png", f"ratio ({size}px)", "peak memory added by the call (MiB)")
 
     if split:
         fig, ax = plt.subplots(figsize=(5, 3.5))

@@ -266,7 +266,10 @@ def run_bench(args: argparse.Namespace) -> Dict[str, Any]:
     split: Dict[str, Dict[str, float]] = {}
     if not args.no_time_split:
         size, batch = settings.resolutions[0], settings.batch_sizes[0]
-        for method in [bench.Method("vanilla")] + [bench.Method("tome", r) for r in settings.ratios]:
+        split_methods = [bench.Method("vanilla")] + [bench.Method("tome", r) for r in settings.ratios]
+        if "builtin" in methods:
+            split_methods += [bench.Method("builtin", r) for r in settings.ratios]
+        for method in split_methods:
             try:
                 split[method.label] = bench.time_split(pipe, settings, size, batch, method)
             except Exception as error:  # noqa: BLE001

@@ -53,8 +53,12 @@ def test_bench_fills_every_cell_and_writes_json_and_plots(tmp_path, capsys):
             assert cell["fraction_of_bound"] > 0
     env = data["environment"]
     assert env["threads"] == 1 and env["dtype"] == "float32" and env["device"] == "cpu" and env["paddle"]
-    assert set(data["time_split"]) == {"vanilla", "tome@0.3", "tome@0.5"}
-    assert data["time_split"]["vanilla"]["matching"] == 0.0 and data["time_split"]["tome@0.5"]["matching"] > 0
+    assert set(data["time_split"]) == {"vanilla", "tome@0.3", "tome@0.5", "builtin@0.3", "builtin@0.5"}
+    split = data["time_split"]
+    assert split["vanilla"]["matching"] == 0.0 and split["tome@0.5"]["matching"] > 0 and split["builtin@0.5"]["matching"] > 0
+    for part in split.values():
+        assert part["attention"] > 0 and part["rest"] > 0
+        assert abs(part["attention"] + part["matching"] + part["rest"] - part["total"]) < 1e-6
     for path in data["plots"]:
         with Image.open(path) as png:
             png.verify()
