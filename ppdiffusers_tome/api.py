@@ -116,6 +116,7 @@ def apply_tome(
         seed=seed,
     )
     targets = _targets(obj, for_apply=True)
+    previous = [tome_config(model) for _, model in targets]
     installed: List[ModelPatch] = []
     try:
         for name, model in targets:
@@ -125,6 +126,9 @@ def apply_tome(
     except BaseException:
         for patch in installed:
             patch.remove()
+        for (_, model), config_before in zip(targets, previous):  # put back what this package had applied
+            if config_before is not None and get_patch(model) is None:
+                ModelPatch.install(model, config_before)
         raise
     return obj
 

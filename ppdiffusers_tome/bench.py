@@ -6,8 +6,8 @@ Methods (``--methods``):
 * ``tome`` — this package at every ``--ratios`` value;
 * ``tome-efficient`` — ToMe plus Paddle's memory-efficient attention, where the device has it (else ``n/a``);
 * ``builtin`` — ppdiffusers' own port (``--compare-builtin`` adds it);
-* ``bound`` — the zero-overhead bound: each block that ToMe would merge runs its attention on the first
-  ``(1 - r) * N`` tokens and pads the output back, with no matching at all. It ruins images; it is the speed
+* ``bound`` — the zero-overhead bound: each block that ToMe would merge runs its attention on its first
+  ``N - r`` tokens (``r = int(N * ratio)``) and pads the output back with zeros, with no matching at all. It ruins images; it is the speed
   ceiling of any token-merging scheme at that ratio, and ToMe's speed is reported as a fraction of it.
 
 Every cell records seconds per image (whole pipeline call) and per UNet forward, speed-up against vanilla, peak
@@ -30,24 +30,15 @@ import numpy as np
 import paddle
 
 from . import api
-from .config import ToMeConfig, tokens_to_merge
-from .measure import ForwardTimer, PeakMemory, environment, median, psnr, relative_l2
-from .patch import ModelPatch
+from .config import ToMeConfig
+from .measure import ForwardTimer, PeakMemory, environment, format_table as render, median, on_gpu, psnr, relative_l2
+from .patch import ModelPatch, find_blocks, get_patch
+from .presets import available_presets
 
 logger = logging.getLogger(__name__)
 
 ALL_METHODS = ("vanilla", "tome", "tome-efficient", "builtin", "bound")
-ARCH_PRESETS = {
-    "tiny": "tiny",
-    "sd15": "sd15",
-    "sd15-narrow": "sd15-narrow",
-    "sdxl": "sdxl",
-    "sdxl-narrow": "sdxl-narrow",
-    "controlnet": "controlnet",
-    "controlnet-narrow": "controlnet-narrow",
-    "tiny-sdxl": "tiny-sdxl",
-    "tiny-controlnet": "tiny-controlnet",
-}
+ARCH_PRESETS = {name: name for name in available_presets()}  # --arch NAME builds preset NAME
 
 
 # the zero-overhead bound ------------------------------------------------------------------------------------------
@@ -266,18 +257,19 @@ class Runner:
                 sample = output[0] if isinstance(output, (tuple, list)) else getattr(output, "sample", output)
                 first_output.append(np.asarray(sample.astype("float32").numpy(), dtype=np.float64))
 
+        inputs = self._inputs(size, batch) if s.unet_only else None  # built outside the timed window
+        call = None if s.unet_only else _pipeline_kwargs(pipe, size, batch, s.steps, s.seed, s.prompt)
         timer = ForwardTimer(pipe.unet)
         handle = pipe.unet.register_forward_post_hook(capture)
         try:
             with PeakMemory() as mem:
                 start = time.perf_counter()
-                if s.unet_only:
-                    inputs = self._inputs(size, batch)
+                if inputs is not None:
                     with paddle.no_grad():
                         inputs.run()
                     image = None
                 else:
-                    image = pipe(**_pipeline_kwargs(pipe, size, batch, s.steps, s.seed, s.prompt)).images
+                    image = pipe(**call).images
                 seconds = time.perf_counter() - start
         finally:
             handle.remove()
@@ -375,17 +367,16 @@ def grid_steps(settings: BenchSettings) -> int:
 
 # time split of one UNet forward ------------------------------------------------------------------------------------
 def time_split(pipe, settings: BenchSettings, size: int, batch: int, method: Method) -> Dict[str, float]:
-    """Seconds of one denoiser forward spent in self-attention, in ToMe's matching (plans, merges, unmerges) and
-    in the rest, for ``method`` at ``size``/``batch``."""
-    configure(pipe, method, settings.max_downsample)
-    attn_layers = [block.attn1 for _, model in api._targets(pipe, for_apply=False) for _, block in _blocks(model)]
+    """Seconds of one denoiser forward (after one warm-up forward) spent in self-attention, in ToMe's matching
+    (plans, merges, unmerges) and in the rest, for ``method`` at ``size``/``batch``. ``rest`` is what remains of
+    the whole forward; the three add up to ``total``."""
     totals = {"attention": 0.0, "matching": 0.0}
     outer_start: Dict[int, float] = {}
     inner_start: Dict[int, float] = {}
     inner_seconds: Dict[int, float] = {}
-    sync = paddle.device.cuda.synchronize if paddle.get_device().startswith("gpu") else (lambda: None)
+    sync = paddle.device.cuda.synchronize if on_gpu() else (lambda: None)
 
-    # outer hooks run first/last around ToMe's merge/unmerge hooks, inner ones right around the attention itself
+    # inner hooks sit right around the attention; outer ones also around ToMe's merge/unmerge hooks on attn1
     def outer_pre(layer, args):
         sync()
         outer_start[id(layer)] = time.perf_counter()
@@ -403,43 +394,44 @@ def time_split(pipe, settings: BenchSettings, size: int, batch: int, method: Met
         sync()
         totals["matching"] += time.perf_counter() - outer_start[id(layer)] - inner_seconds[id(layer)]
 
-    handles = []
-    for layer in attn_layers:
-        handles.append(layer.register_forward_pre_hook(inner_pre))
-        handles.append(layer.register_forward_post_hook(inner_post, prepend=True))
-        if method.name != "vanilla":  # merge/unmerge hooks exist only with ToMe
-            handles.append(layer.register_forward_pre_hook(outer_pre, prepend=True))
-            handles.append(layer.register_forward_post_hook(outer_post))
-    patches = [p for p in (_patch_of(m) for _, m in api._targets(pipe, for_apply=False)) if p is not None]
-    originals = [p.plan_for for p in patches]
-
     def timed(fn):
         def wrapper(*args):
             sync()
-            start = time.perf_counter()
+            began = time.perf_counter()
             try:
                 return fn(*args)
             finally:
                 sync()
-                totals["matching"] += time.perf_counter() - start
+                totals["matching"] += time.perf_counter() - began
 
         return wrapper
 
-    for patch in patches:
-        patch.plan_for = timed(patch.plan_for)
+    handles: List[Any] = []
+    patches: List[ModelPatch] = []
     builtin_module, builtin_compute = None, None
-    if method.name == "builtin":  # the built-in port merges inside its copied block forward: time its functions
-        from ppdiffusers.patches import tomesd_patch_utils as builtin_module
-
-        builtin_compute = builtin_module.compute_merge
-
-        def compute_merge(*args):
-            return tuple(timed(fn) for fn in timed(builtin_compute)(*args))
-
-        builtin_module.compute_merge = compute_merge
     try:
-        runner = Runner(pipe, BenchSettings(**{**asdict(settings), "unet_only": True}))
-        inputs = runner._inputs(size, batch)
+        configure(pipe, method, settings.max_downsample)
+        models = [model for _, model in api._targets(pipe, for_apply=False)]
+        ours = method.name in ("tome", "tome-efficient", "bound")  # merge/unmerge hooks sit on attn1
+        for layer in [block.attn1 for model in models for _, block in find_blocks(model)]:
+            handles.append(layer.register_forward_pre_hook(inner_pre))
+            handles.append(layer.register_forward_post_hook(inner_post, prepend=True))
+            if ours:
+                handles.append(layer.register_forward_pre_hook(outer_pre, prepend=True))
+                handles.append(layer.register_forward_post_hook(outer_post))
+        patches = [p for p in (get_patch(m) for m in models) if p is not None]
+        for patch in patches:
+            patch.plan_for = timed(patch.plan_for)  # an instance attribute over the class method
+        if method.name == "builtin":  # the built-in port merges inside its copied block forward: time its functions
+            from ppdiffusers.patches import tomesd_patch_utils as builtin_module
+
+            builtin_compute = builtin_module.compute_merge
+
+            def compute_merge(*args):
+                return tuple(timed(fn) for fn in timed(builtin_compute)(*args))
+
+            builtin_module.compute_merge = compute_merge
+        inputs = DenoiserInputs(pipe, size, batch, settings.seed)
         with paddle.no_grad():
             inputs.run()  # warm-up
             totals["attention"] = totals["matching"] = 0.0
@@ -451,30 +443,19 @@ def time_split(pipe, settings: BenchSettings, size: int, batch: int, method: Met
     finally:
         for handle in handles:
             handle.remove()
-        for patch, original in zip(patches, originals):
-            patch.plan_for = original
+        for patch in patches:
+            patch.__dict__.pop("plan_for", None)
         if builtin_module is not None:
             builtin_module.compute_merge = builtin_compute
         api.remove_tome(pipe)
     return {"attention": totals["attention"], "matching": totals["matching"],
-            "rest": max(total - totals["attention"] - totals["matching"], 0.0), "total": total}
-
-
-def _blocks(model):
-    from .patch import find_blocks
-
-    return find_blocks(model)
-
-
-def _patch_of(model):
-    from .patch import get_patch
-
-    return get_patch(model)
+            "rest": total - totals["attention"] - totals["matching"], "total": total}
 
 
 # output ----------------------------------------------------------------------------------------------------------
 def format_table(cells: List[Cell], methods: List[Method]) -> str:
-    """The seeds' layout: one row per resolution x batch, one column per method (seconds per image and speed-up)."""
+    """The layout of the published ToMe tables: one row per resolution x batch, one column per method, each cell
+    the seconds per image and the gain over vanilla."""
     labels = [m.label for m in methods]
     header = ["resolution", "batch"] + labels
     rows = [header]
@@ -496,10 +477,7 @@ def format_table(cells: List[Cell], methods: List[Method]) -> str:
                 gain = (cell.speedup - 1.0) * 100.0 if cell.speedup is not None else float("nan")
                 row.append(f"{cell.seconds_per_image:.2f} s ({gain:+.1f}%)")
         rows.append(row)
-    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    lines = [" | ".join(c.ljust(widths[i]) for i, c in enumerate(r)) for r in rows]
-    lines.insert(1, "-+-".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return render(rows)
 
 
 def format_details(cells: List[Cell]) -> str:
@@ -518,10 +496,7 @@ def format_details(cells: List[Cell]) -> str:
             "inf" if c.psnr_db == float("inf") else fmt(c.psnr_db, "{:.1f}"), fmt(c.rel_l2, "{:.4f}"),
             fmt(c.fraction_of_bound, "{:.1%}"),
         ])
-    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    lines = [" | ".join(c.ljust(widths[i]) for i, c in enumerate(r)) for r in rows]
-    lines.insert(1, "-+-".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return render(rows)
 
 
 def write_plots(cells: List[Cell], split: Dict[str, Dict[str, float]], folder: str) -> List[str]:

@@ -9,7 +9,6 @@ default model (a Stable Diffusion pipeline built from a shipped config with rand
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
@@ -59,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="grid of resolutions x batch sizes x methods: table, JSON, plots")
     source = bench.add_mutually_exclusive_group()
-    source.add_argument("--arch", choices=sorted(ARCH_PRESETS), default="sd15-narrow",
+    source.add_argument("--arch", choices=sorted(ARCH_PRESETS), default=None,
                         help="model layout with random weights (default sd15-narrow)")
     source.add_argument("--model", help="a local pipeline folder instead of --arch")
     bench.add_argument("--resolutions", type=_resolution, nargs="+", default=[512])
@@ -88,17 +87,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _run_once(pipe, args, height: int, width: int):
-    import paddle
+def _run_once(pipe, args, size: int):
+    from .bench import _pipeline_kwargs  # prompt, seed and, for ControlNet pipelines, a control image
 
-    return pipe(
-        prompt=args.prompt,
-        num_inference_steps=args.steps,
-        height=height,
-        width=width,
-        generator=paddle.Generator().manual_seed(args.seed),
-        output_type="np",
-    ).images
+    return pipe(**_pipeline_kwargs(pipe, size, 1, args.steps, args.seed, args.prompt)).images
+
+
+def _check_dtype(dtype: str) -> None:
+    from .measure import on_gpu
+
+    if dtype != "float32" and not on_gpu():
+        raise ValueError(f"--dtype {dtype} needs a GPU: Paddle's CPU build has no half-precision matmul")
 
 
 def _grid(tiles: Sequence[np.ndarray], labels: Sequence[str]):
@@ -115,6 +114,8 @@ def _grid(tiles: Sequence[np.ndarray], labels: Sequence[str]):
 
 
 def format_table(rows: List[Dict[str, Any]]) -> str:
+    from .measure import format_table as render
+
     header = ["method", "ratio", "s/image", "UNet s/call", "speed-up", "peak MiB", "added MiB", "max |diff|", "PSNR dB"]
     lines = [header]
     for row in rows:
@@ -131,20 +132,19 @@ def format_table(rows: List[Dict[str, Any]]) -> str:
                 "inf" if row["psnr_db"] == float("inf") else f"{row['psnr_db']:.1f}",
             ]
         )
-    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    out = [" | ".join(cell.ljust(widths[i]) for i, cell in enumerate(line)) for line in lines]
-    out.insert(1, "-+-".join("-" * wd for wd in widths))
-    return "\n".join(out)
+    return render(lines)
 
 
 def run_demo(args: argparse.Namespace) -> Dict[str, Any]:
     import ppdiffusers_tome
 
+    from .bench import save_json
     from .measure import ForwardTimer, PeakMemory, environment, median, psnr, set_threads
     from .presets import DEFAULT_PRESET, load_local_pipeline, preset_pipeline
 
     for ratio in args.ratios:  # validate every ratio before spending minutes on vanilla runs
         ppdiffusers_tome.ToMeConfig(ratio=ratio, max_downsample=args.max_downsample)
+    _check_dtype(args.dtype)
     threads = set_threads(args.threads)
     if args.model:
         pipe, source = load_local_pipeline(args.model, dtype=args.dtype), os.path.abspath(args.model)
@@ -154,7 +154,7 @@ def run_demo(args: argparse.Namespace) -> Dict[str, Any]:
     size = args.resolution
     logger.info("warming up (%s, %dx%d)", source, size, size)
     warm = argparse.Namespace(**{**vars(args), "steps": 1})
-    _run_once(pipe, warm, size, size)
+    _run_once(pipe, warm, size)
 
     methods = [("vanilla", 0.0)] + [("tome", float(r)) for r in args.ratios]
     times: Dict[int, List[float]] = {i: [] for i in range(len(methods))}
@@ -167,11 +167,14 @@ def run_demo(args: argparse.Namespace) -> Dict[str, Any]:
             if name == "tome":
                 ppdiffusers_tome.apply_tome(pipe, ratio=ratio, max_downsample=args.max_downsample)
             timer = ForwardTimer(pipe.unet)
-            with PeakMemory() as mem:
-                start = time.perf_counter()
-                out = _run_once(pipe, args, size, size)
-                times[i].append(time.perf_counter() - start)
-            timer.remove()
+            try:
+                with PeakMemory() as mem:
+                    start = time.perf_counter()
+                    out = _run_once(pipe, args, size)
+                    times[i].append(time.perf_counter() - start)
+            finally:
+                timer.remove()
+                ppdiffusers_tome.remove_tome(pipe)
             unet_times[i].extend(timer.seconds[1:] or timer.seconds)  # the first call pays one-off set-up
             if i not in memory or mem.peak_bytes > memory[i].peak_bytes:
                 memory[i] = mem
@@ -220,8 +223,7 @@ def run_demo(args: argparse.Namespace) -> Dict[str, Any]:
         "png": png,
     }
     path = os.path.join(args.output, "results.json")
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(record, f, indent=2, default=float)
+    save_json(record, path)  # (PSNR of vanilla is inf: written as the string "inf", keeping the file valid JSON)
     env = record["environment"]
     sys.stdout.write(
         f"ToMe demo: {source}, {size}x{size}, {args.steps} steps, {env['dtype']} on {env['device']} "
@@ -232,19 +234,17 @@ def run_demo(args: argparse.Namespace) -> Dict[str, Any]:
 
 
 def run_bench(args: argparse.Namespace) -> Dict[str, Any]:
-    import paddle
     from tqdm import tqdm
 
     from . import bench
     from .measure import set_threads
     from .presets import load_local_pipeline, preset_pipeline
 
-    on_gpu = paddle.get_device().startswith("gpu")
-    dtype = args.dtype or ("float16" if on_gpu else "float32")
-    if dtype != "float32" and not on_gpu:
-        raise ValueError(f"--dtype {dtype} needs a GPU: Paddle's CPU build has no half-precision matmul")
-    sdxl = (args.arch or "").startswith(("sdxl", "tiny-sdxl"))
-    max_downsample = args.max_downsample or (2 if sdxl else 1)
+    from .measure import on_gpu
+
+    dtype = args.dtype or ("float16" if on_gpu() else "float32")
+    _check_dtype(dtype)
+    max_downsample = args.max_downsample or 1  # raised to 2 below for SDXL-style UNets when not given
     methods = list(args.methods) + (["builtin"] if args.compare_builtin and "builtin" not in args.methods else [])
     settings = bench.BenchSettings(
         resolutions=args.resolutions, batch_sizes=args.batch_sizes, ratios=args.ratios, methods=methods,
@@ -259,8 +259,10 @@ def run_bench(args: argparse.Namespace) -> Dict[str, Any]:
     if args.model:
         pipe, source = load_local_pipeline(args.model, dtype=dtype), os.path.abspath(args.model)
     else:
-        preset = bench.ARCH_PRESETS[args.arch]
+        preset = bench.ARCH_PRESETS[args.arch or "sd15-narrow"]
         pipe, source = preset_pipeline(preset, seed=args.seed, dtype=dtype), f"preset:{preset} (random weights)"
+    if args.max_downsample is None and getattr(pipe.unet.config, "addition_embed_type", None) == "text_time":
+        settings.max_downsample = 2  # SDXL-style: no transformer blocks at the first level
     with tqdm(total=bench.grid_steps(settings), desc="bench", unit="run", disable=None) as bar:
         cells = bench.run_grid(pipe, settings, progress=lambda: bar.update(1))
     split: Dict[str, Dict[str, float]] = {}

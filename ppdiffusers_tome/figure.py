@@ -60,10 +60,8 @@ def draw_plan_figure(ratio: float = 0.5, grid: int = 24, cell: int = 14, seed: i
     plan_rgb = tokens * 0.35 + 0.65  # unmerged src: a pale version of the token
     for pos in dst:
         plan_rgb[pos // grid, pos % grid] = colour_of[int(pos)]
-    merged_into = {}
     if not plan.is_identity:
         for pos, into in zip(plan.merged_pos.numpy()[0], plan.merged_into.numpy()[0]):
-            merged_into[int(pos)] = int(into)
             plan_rgb[pos // grid, pos % grid] = colour_of[int(into)]
 
     side, gap, label = grid * cell, 10, 18

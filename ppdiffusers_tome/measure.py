@@ -14,7 +14,17 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 import paddle
 
-__all__ = ["PeakMemory", "ForwardTimer", "psnr", "relative_l2", "set_threads", "environment", "median"]
+__all__ = [
+    "PeakMemory",
+    "ForwardTimer",
+    "psnr",
+    "relative_l2",
+    "set_threads",
+    "environment",
+    "median",
+    "on_gpu",
+    "format_table",
+]
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -23,13 +33,16 @@ def _rss_bytes() -> int:
     try:
         with open("/proc/self/statm", encoding="ascii") as f:
             return int(f.read().split()[1]) * _PAGE
-    except OSError:  # not Linux: fall back to the process' lifetime peak
+    except OSError:  # not Linux: fall back to the process' lifetime peak (then ``added_bytes`` means little)
         import resource
+        import sys
 
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak if sys.platform == "darwin" else peak * 1024
 
 
-def _on_gpu() -> bool:
+def on_gpu() -> bool:
+    """Whether Paddle runs on a GPU here."""
     return paddle.is_compiled_with_cuda() and paddle.get_device().startswith("gpu")
 
 
@@ -44,9 +57,9 @@ class PeakMemory:
     True
     """
 
-    def __init__(self, interval: float = 0.002):
+    def __init__(self, interval: float = 0.01):
         self.interval = interval
-        self.kind = "gpu_max_allocated" if _on_gpu() else "cpu_peak_rss"
+        self.kind = "gpu_max_allocated" if on_gpu() else "cpu_peak_rss"
         self.baseline_bytes = 0
         self.peak_bytes = 0
         self._stop = threading.Event()
@@ -96,18 +109,18 @@ class ForwardTimer:
         self.layer = layer
         self.seconds: List[float] = []
         self._start = 0.0
-        self._handles = [
-            layer.register_forward_pre_hook(self._before),
+        self._handles = [  # first in, last out: the layer's other hooks (ToMe's per-call work) are timed too
+            layer.register_forward_pre_hook(self._before, prepend=True),
             layer.register_forward_post_hook(self._after),
         ]
 
     def _before(self, layer, args):
-        if _on_gpu():
+        if on_gpu():
             paddle.device.cuda.synchronize()
         self._start = time.perf_counter()
 
     def _after(self, layer, args, output):
-        if _on_gpu():
+        if on_gpu():
             paddle.device.cuda.synchronize()
         self.seconds.append(time.perf_counter() - self._start)
 
@@ -115,6 +128,20 @@ class ForwardTimer:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+
+def format_table(rows: List[List[str]]) -> str:
+    """Rows of strings (the first one the header) as an aligned text table.
+
+    >>> print(format_table([["a", "bb"], ["ccc", "d"]]))
+    a   | bb
+    ----+---
+    ccc | d
+    """
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = [" | ".join(cell.ljust(widths[i]) for i, cell in enumerate(row)).rstrip() for row in rows]
+    lines.insert(1, "-+-".join("-" * width for width in widths))
+    return "\n".join(lines)
 
 
 def median(values: List[float]) -> float:

@@ -17,14 +17,10 @@ are small, which keeps the mean accurate); ``unmerge`` is a single gather.
 from __future__ import annotations
 
 import functools
-import logging
-import math
 from typing import Callable, Iterator, Optional, Tuple, Union
 
 import numpy as np
 import paddle
-
-logger = logging.getLogger(__name__)
 
 __all__ = [
     "MergePlan",

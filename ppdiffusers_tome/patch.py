@@ -132,6 +132,7 @@ class _CallContext(threading.local):
     def __init__(self) -> None:
         self.latent_hw: Optional[Tuple[int, int]] = None
         self.timestep_key: Optional[Tuple[int, ...]] = None
+        self.number = 0  # which call of the model this is (keys the partition when there is no timestep)
         self.merged_blocks = 0
         self.finest_level: Optional[int] = None
         self.plans: Dict[int, MergePlan] = {}
@@ -144,6 +145,7 @@ class ToMeState:
     The random partition of a block is drawn from a generator keyed by ``(seed, block, grid, timestep)``, so it
     does not depend on how many calls came before, does not touch Paddle's RNG (on CPU or GPU), and is the same
     for the prompted and unprompted halves of classifier-free guidance even when they arrive in separate calls.
+    (A model called without a timestep falls back to keying by the number of the call.)
     """
 
     def __init__(self, config: ToMeConfig):
@@ -182,6 +184,7 @@ class ToMeState:
     def begin_call(self, sample: Any, timestep: Any) -> None:
         self.calls += 1
         call = self.call
+        call.number = self.calls
         call.merged_blocks = 0
         call.finest_level = None
         call.plans.clear()
@@ -198,15 +201,19 @@ class ToMeState:
         call.timestep_key = _timestep_bits(timestep) if self.config.use_rand else None
 
     def end_call(self) -> None:
-        self.call.plans.clear()
-        self.call.active.clear()
+        """Drop what only the call in flight may use (plans, size, timestep); the counters for reporting stay."""
+        call = self.call
+        call.plans.clear()
+        call.active.clear()
+        call.latent_hw = None
+        call.timestep_key = None
 
     def generator_for(self, block_index: int, grid_h: int, grid_w: int) -> np.random.Generator:
         key_part = self.call.timestep_key
         if key_part is not None:
             key = [self.config.seed, block_index, grid_h, grid_w, 1, *key_part]
-        else:  # no timestep given: fall back to the call count
-            key = [self.config.seed, block_index, grid_h, grid_w, 0, self.calls]
+        else:  # no timestep given: fall back to the number of this call (then the history does matter)
+            key = [self.config.seed, block_index, grid_h, grid_w, 0, self.call.number]
         return np.random.default_rng(key)
 
 
@@ -280,7 +287,7 @@ class _SublayerHooks:
 
     def after(self, layer, args, kwargs, output):
         plan = _take(self.block.patch.state.call.active, self.key)
-        if plan is None:
+        if plan is None or output is None:  # output is None when the sub-layer raised (hooks run anyway)
             return None
         if isinstance(output, (tuple, list)):
             return type(output)([plan.unmerge(output[0]), *output[1:]])
@@ -341,6 +348,9 @@ class ModelPatch:
         blocks = find_blocks(model)
         if not blocks:
             raise ValueError(f"{type(model).__name__} has no transformer blocks (BasicTransformerBlock) to patch")
+        previous = get_patch(model)
+        if previous is not None:  # never leave a patch's hooks behind unreachable
+            previous.remove()
         patch = cls(model, config)
         try:
             patch._register(blocks)
@@ -402,7 +412,6 @@ class ModelPatch:
                     f"blocks run at {level}x downsampling, above max_downsample={config.max_downsample}. "
                     f"Use max_downsample={level} to merge there."
                 )
-                logger.warning(message)
                 warnings.warn(message, UserWarning, stacklevel=2)
         return None
 

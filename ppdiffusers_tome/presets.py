@@ -5,15 +5,12 @@ loader for a real local pipeline folder. The demo's embedded default model and t
 from __future__ import annotations
 
 import json
-import logging
 import os
 from typing import Any, Dict, List, Optional
 
 import paddle
 
 from .testing import make_scheduler, random_controlnet, tiny_text_encoder, tiny_tokenizer
-
-logger = logging.getLogger(__name__)
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 

@@ -60,20 +60,17 @@ def write_tokenizer_files(folder: str) -> Dict[str, str]:
     return paths
 
 
-_tokenizer_folder: Optional[str] = None
+_tokenizer_files_written: Optional[Dict[str, str]] = None
 
 
 def _tokenizer_files() -> Dict[str, str]:
     """The tokenizer files, written once per process (a tokenizer reads them again in ``save_pretrained``)."""
-    global _tokenizer_folder
-    if _tokenizer_folder is None:
-        _tokenizer_folder = tempfile.mkdtemp(prefix="ppdiffusers_tome_tokenizer_")
-        atexit.register(shutil.rmtree, _tokenizer_folder, True)
-        write_tokenizer_files(_tokenizer_folder)
-    return {
-        "vocab_file": os.path.join(_tokenizer_folder, "vocab.json"),
-        "merges_file": os.path.join(_tokenizer_folder, "merges.txt"),
-    }
+    global _tokenizer_files_written
+    if _tokenizer_files_written is None:
+        folder = tempfile.mkdtemp(prefix="ppdiffusers_tome_tokenizer_")
+        atexit.register(shutil.rmtree, folder, True)
+        _tokenizer_files_written = write_tokenizer_files(folder)
+    return _tokenizer_files_written
 
 
 def tiny_tokenizer(max_length: int = 16):

@@ -143,24 +143,29 @@ def test_non_pipelines_and_non_models_are_refused(thing):
         ppdiffusers_tome.remove_tome(thing)
 
 
-def test_a_failure_half_way_leaves_nothing_patched(monkeypatch):
+def test_a_failure_half_way_restores_the_previous_state(monkeypatch):
     pipe = tiny_controlnet_pipeline(num_controlnets=2)
     models = [pipe.unet, *pipe.controlnet.nets]
     before = [hook_counts(m) for m in models]
+    pipe.apply_tome(ratio=0.3)
+    patched = [hook_counts(m) for m in models]
     real_install = ModelPatch.install
     calls = []
 
     def failing_install(model, config):
         calls.append(model)
-        if len(calls) == 3:
+        if len(calls) == 3 and config.ratio == 0.5:
             raise RuntimeError("simulated failure while patching the third model")
         return real_install(model, config)
 
     monkeypatch.setattr(ModelPatch, "install", staticmethod(failing_install))
     with pytest.raises(RuntimeError, match="simulated"):
         pipe.apply_tome(ratio=0.5)
+    assert [hook_counts(m) for m in models] == patched  # the ratio-0.3 patches are back, nothing else
+    assert all(ppdiffusers_tome.tome_config(m).ratio == 0.3 for m in models)
+    monkeypatch.setattr(ModelPatch, "install", staticmethod(real_install))
+    pipe.remove_tome()
     assert [hook_counts(m) for m in models] == before
-    assert all(get_patch(m) is None for m in models)
 
 
 def test_multicontrolnet_is_patched_and_removed_net_by_net():

@@ -151,3 +151,28 @@ def test_out_of_memory_detection():
     assert bench.is_out_of_memory(MemoryError())
     assert bench.is_out_of_memory(RuntimeError("(ResourceExhausted) Out of memory error on GPU 0"))
     assert not bench.is_out_of_memory(ValueError("shape mismatch"))
+
+
+def test_bench_on_a_local_sdxl_folder_merges_at_the_2x_level(tmp_path):
+    preset_pipeline("tiny-sdxl").save_pretrained(str(tmp_path / "sdxl"))
+    args = ["bench", "--model", str(tmp_path / "sdxl"), *QUICK, "--unet-only", "--methods", "vanilla", "tome",
+            "--no-time-split", "--no-plots", "--output", str(tmp_path / "out")]
+    assert main(args) == 0
+    data = load(tmp_path / "out")
+    assert data["settings"]["max_downsample"] == 2
+    assert {c["method"]: c for c in data["cells"]}["tome"]["rel_l2"] > 0  # something was merged
+
+
+def test_time_split_cleans_up_when_it_fails(monkeypatch):
+    pipe = preset_pipeline("tiny")
+    before = [(len(m._forward_pre_hooks), len(m._forward_post_hooks)) for m in pipe.unet.sublayers(include_self=True)]
+
+    def explode(*args, **kwargs):
+        raise RuntimeError("inputs failed")
+
+    monkeypatch.setattr(bench, "DenoiserInputs", explode)
+    settings = bench.BenchSettings(resolutions=[32], ratios=[0.5])
+    with pytest.raises(RuntimeError, match="inputs failed"):
+        bench.time_split(pipe, settings, 32, 1, bench.Method("tome", 0.5))
+    after = [(len(m._forward_pre_hooks), len(m._forward_post_hooks)) for m in pipe.unet.sublayers(include_self=True)]
+    assert after == before and get_patch(pipe.unet) is None

@@ -24,7 +24,7 @@ def test_demo_writes_table_png_and_json(tmp_path, capsys):
     record = read_record(tmp_path)
     rows = record["results"]
     assert [(r["method"], r["ratio"]) for r in rows] == [("vanilla", 0.0), ("tome", 0.3), ("tome", 0.5)]
-    assert rows[0]["speedup"] == 1.0 and rows[0]["max_abs_diff"] == 0.0 and rows[0]["psnr_db"] == float("inf")
+    assert rows[0]["speedup"] == 1.0 and rows[0]["max_abs_diff"] == 0.0 and rows[0]["psnr_db"] == "inf"
     for row in rows[1:]:
         assert row["seconds_per_image"] > 0 and row["unet_seconds"] > 0 and row["peak_memory_bytes"] > 0
         assert 0 < row["max_abs_diff"] < 1 and np.isfinite(row["psnr_db"])
@@ -34,6 +34,23 @@ def test_demo_writes_table_png_and_json(tmp_path, capsys):
         png.verify()
     with Image.open(tmp_path / "demo.png") as png:
         assert png.size == (4 * 32, 32 + 14)  # vanilla, two ratios, difference; a label strip on top
+
+
+def test_demo_json_is_strict_json(tmp_path):
+    assert main(["demo", *TINY, "--ratios", "0.5", "--repeats", "1", "--output", str(tmp_path)]) == 0
+    text = (tmp_path / "results.json").read_text(encoding="utf-8")
+
+    def refuse(constant):
+        raise AssertionError(f"non-standard JSON constant {constant}")
+
+    record = json.loads(text, parse_constant=refuse)
+    assert record["results"][0]["psnr_db"] == "inf"
+
+
+def test_demo_runs_a_controlnet_preset(tmp_path):
+    args = ["demo", "--preset", "tiny-controlnet", "--resolution", "32", "--steps", "1", "--ratios", "0.5"]
+    assert main([*args, "--repeats", "1", "--threads", "1", "--output", str(tmp_path)]) == 0
+    assert len(read_record(tmp_path)["results"]) == 2
 
 
 def test_demo_loads_a_local_pipeline_folder(tmp_path):
@@ -51,6 +68,7 @@ def test_demo_loads_a_local_pipeline_folder(tmp_path):
         (["--ratios", "0.9"], "ratio must be in"),
         (["--max-downsample", "3"], "max_downsample must be one of"),
         (["--model", "/nonexistent/folder"], "--model must be a local pipeline folder"),
+        (["--dtype", "float16"], "needs a GPU"),
     ],
 )
 def test_demo_bad_input_is_a_clear_error(tmp_path, capsys, args, message):

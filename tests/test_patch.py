@@ -386,3 +386,39 @@ def test_apply_and_remove_from_a_step_callback_take_effect_at_the_next_step():
     run(pipe, steps=5, callback_on_step_end=callback)
     assert log == [{"blocks": 7, "calls": 2, "merges": 6}]  # steps 1 and 2 merged, 3 blocks each
     assert get_patch(pipe.unet) is None
+
+
+def test_a_failing_merged_sublayer_leaves_no_silenced_hook_error():
+    unet = tiny_unet()
+    sample, t, _ = unet_inputs(unet)
+    ppdiffusers_tome.apply_tome(unet, ratio=0.5, merge_crossattn=True)  # attn2 input is merged, then attn2 fails
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(Exception) as raised:
+            with paddle.no_grad():
+                unet(sample, t, paddle.randn([2, 5, 7]))
+    assert "NoneType" not in str(raised.value)
+    assert not [w for w in caught if "NoneType" in str(w.message) or "silenced" in str(w.message).lower()]
+
+
+def test_call_state_is_cleared_after_each_call():
+    unet = tiny_unet()
+    inputs = unet_inputs(unet)
+    patch = ModelPatch.install(unet, ToMeConfig(ratio=0.5))
+    with paddle.no_grad():
+        unet(*inputs)
+        merges = patch.state.merges
+        block = find_blocks(unet)[0][1]
+        block(paddle.randn([2, 256, 32]), encoder_hidden_states=inputs[2])  # outside any model call: no merging
+    assert patch.state.latent_hw is None and patch.state.merges == merges
+    assert patch.state.merged_blocks == 3  # the report of the last call survives
+
+
+def test_installing_over_an_existing_patch_leaves_no_orphan_hooks():
+    once, twice = tiny_unet(), tiny_unet()
+    ModelPatch.install(once, ToMeConfig())
+    first = ModelPatch.install(twice, ToMeConfig())
+    second = ModelPatch.install(twice, ToMeConfig(ratio=0.3))
+    assert hook_counts(once) == hook_counts(twice) and get_patch(twice) is second and not first.blocks
+    second.remove()
+    assert hook_counts(twice) == hook_counts(tiny_unet())
