@@ -10,7 +10,7 @@ import logging
 import os
 
 from ppdiffusers_tome import bench
-from ppdiffusers_tome.presets import load_local_pipeline, preset_pipeline
+from ppdiffusers_tome.presets import available_presets, load_local_pipeline, preset_pipeline
 
 logger = logging.getLogger("benchmark")
 
@@ -18,7 +18,7 @@ logger = logging.getLogger("benchmark")
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="local pipeline folder; default: --arch")
-    parser.add_argument("--arch", default="tiny", choices=sorted(bench.ARCH_PRESETS))
+    parser.add_argument("--arch", default="tiny", choices=available_presets())
     parser.add_argument("--resolution", type=int, default=32)
     parser.add_argument("--ratios", type=float, nargs="+", default=[0.3, 0.5])
     parser.add_argument("--steps", type=int, default=2)
@@ -27,7 +27,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
-    pipe = load_local_pipeline(args.model) if args.model else preset_pipeline(bench.ARCH_PRESETS[args.arch])
+    pipe = load_local_pipeline(args.model) if args.model else preset_pipeline(args.arch)
     settings = bench.BenchSettings(resolutions=[args.resolution], ratios=args.ratios, steps=args.steps,
                                    repeats=args.repeats, methods=("vanilla", "tome", "bound"))
     cells = bench.run_grid(pipe, settings)

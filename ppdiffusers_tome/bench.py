@@ -33,12 +33,10 @@ from . import api
 from .config import ToMeConfig
 from .measure import ForwardTimer, PeakMemory, environment, format_table as render, median, on_gpu, psnr, relative_l2
 from .patch import ModelPatch, find_blocks, get_patch
-from .presets import available_presets
 
 logger = logging.getLogger(__name__)
 
 ALL_METHODS = ("vanilla", "tome", "tome-efficient", "builtin", "bound")
-ARCH_PRESETS = {name: name for name in available_presets()}  # --arch NAME builds preset NAME
 
 
 # the zero-overhead bound ------------------------------------------------------------------------------------------

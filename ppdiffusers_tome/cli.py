@@ -54,11 +54,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
     demo.add_argument("--output", default=os.path.join("outputs", "demo"), help="folder for demo.png/results.json")
 
-    from .bench import ALL_METHODS, ARCH_PRESETS
+    from .bench import ALL_METHODS
+    from .presets import available_presets
 
     bench = sub.add_parser("bench", help="grid of resolutions x batch sizes x methods: table, JSON, plots")
     source = bench.add_mutually_exclusive_group()
-    source.add_argument("--arch", choices=sorted(ARCH_PRESETS), default=None,
+    source.add_argument("--arch", choices=available_presets(), default=None,
                         help="model layout with random weights (default sd15-narrow)")
     source.add_argument("--model", help="a local pipeline folder instead of --arch")
     bench.add_argument("--resolutions", type=_resolution, nargs="+", default=[512])
@@ -238,7 +239,7 @@ def run_bench(args: argparse.Namespace) -> Dict[str, Any]:
 
     from . import bench
     from .measure import set_threads
-    from .presets import load_local_pipeline, preset_pipeline
+    from .presets import DEFAULT_PRESET, load_local_pipeline, preset_pipeline
 
     from .measure import on_gpu
 
@@ -259,7 +260,7 @@ def run_bench(args: argparse.Namespace) -> Dict[str, Any]:
     if args.model:
         pipe, source = load_local_pipeline(args.model, dtype=dtype), os.path.abspath(args.model)
     else:
-        preset = bench.ARCH_PRESETS[args.arch or "sd15-narrow"]
+        preset = args.arch or DEFAULT_PRESET
         pipe, source = preset_pipeline(preset, seed=args.seed, dtype=dtype), f"preset:{preset} (random weights)"
     if args.max_downsample is None and getattr(pipe.unet.config, "addition_embed_type", None) == "text_time":
         settings.max_downsample = 2  # SDXL-style: no transformer blocks at the first level

@@ -297,10 +297,9 @@ class _SublayerHooks:
 class _BlockHooks:
     """Plans the merge of one transformer block from its input, for its sub-layer hooks to use."""
 
-    def __init__(self, patch: "ModelPatch", index: int, block: paddle.nn.Layer):
+    def __init__(self, patch: "ModelPatch", index: int):
         self.patch = patch
         self.index = index
-        self.block = block
 
     @property
     def plan(self) -> Optional[MergePlan]:
@@ -370,7 +369,7 @@ class ModelPatch:
             ("ff", self.config.merge_mlp, False),
         ]
         for index, (_, block) in enumerate(blocks):
-            hooks = _BlockHooks(self, index, block)
+            hooks = _BlockHooks(self, index)
             self.blocks.append(hooks)
             add(_HookRecord(block, "pre", hooks, "before"))
             add(_HookRecord(block, "post", hooks, "after"))

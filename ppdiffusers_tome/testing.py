@@ -26,7 +26,6 @@ __all__ = [
     "tiny_sd_pipeline",
     "tiny_controlnet_pipeline",
     "tiny_sdxl_pipeline",
-    "sd_unet_config",
 ]
 
 TEXT_HIDDEN = 32
@@ -102,61 +101,30 @@ def tiny_text_encoder(vocab_size: int, max_length: int = 16, projection: bool = 
     return model
 
 
-def sd_unet_config(
-    block_out_channels: Sequence[int] = (32, 64),
-    layers_per_block: int = 1,
-    attention_head_dim: int = 8,
-    cross_attention_dim: int = TEXT_HIDDEN,
-    in_channels: int = 4,
-    sample_size: int = 8,
-    norm_num_groups: int = 8,
-) -> Dict[str, Any]:
-    """An SD-1.x-style UNet config: cross-attention transformer blocks at every level but the deepest (when there
-    is more than one level), so the highest-resolution level has transformer blocks, as in SD 1.x/2.x."""
-    levels = len(block_out_channels)
-    down = ["CrossAttnDownBlock2D"] * max(levels - 1, 1) + (["DownBlock2D"] if levels > 1 else [])
-    up = (["UpBlock2D"] if levels > 1 else []) + ["CrossAttnUpBlock2D"] * max(levels - 1, 1)
-    return dict(
-        sample_size=sample_size,
-        in_channels=in_channels,
-        out_channels=4,
-        down_block_types=tuple(down),
-        up_block_types=tuple(up),
-        block_out_channels=tuple(block_out_channels),
-        layers_per_block=layers_per_block,
-        attention_head_dim=attention_head_dim,
-        cross_attention_dim=cross_attention_dim,
-        norm_num_groups=norm_num_groups,
-    )
+def _preset_part(name: str, part: str) -> Dict[str, Any]:
+    from .presets import load_preset  # (presets builds on this module's tokenizer and text encoders)
+
+    return dict(load_preset(name)[part])
 
 
 def tiny_unet(seed: int = 0, **overrides):
-    """A small SD-style ``UNet2DConditionModel`` with random weights: three levels; 3 transformer blocks at 1x,
-    3 at 2x and the mid block's at 4x (SD 1.x has them at 1x, 2x and 4x, and in its mid block at 8x)."""
+    """The ``tiny`` preset's SD-style ``UNet2DConditionModel`` with random weights: three levels; 3 transformer
+    blocks at 1x, 3 at 2x and the mid block's at 4x (SD 1.x has them at 1x, 2x and 4x, and in its mid block at 8x).
+    ``overrides`` replace config fields."""
     from ppdiffusers import UNet2DConditionModel
 
     paddle.seed(seed)
-    unet = UNet2DConditionModel(**dict(sd_unet_config(block_out_channels=(32, 64, 64)), **overrides))
+    unet = UNet2DConditionModel(**dict(_preset_part("tiny", "unet"), **overrides))
     unet.eval()
     return unet
 
 
-def tiny_vae(seed: int = 0, block_out_channels: Sequence[int] = (32, 64)):
-    """A small ``AutoencoderKL`` (latent scale factor 2 for two levels) with random weights."""
+def tiny_vae(seed: int = 0):
+    """The ``tiny`` preset's ``AutoencoderKL`` (latent scale factor 2) with random weights."""
     from ppdiffusers import AutoencoderKL
 
-    levels = len(block_out_channels)
     paddle.seed(seed)
-    vae = AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("DownEncoderBlock2D",) * levels,
-        up_block_types=("UpDecoderBlock2D",) * levels,
-        block_out_channels=tuple(block_out_channels),
-        latent_channels=4,
-        norm_num_groups=min(block_out_channels),
-        sample_size=32,
-    )
+    vae = AutoencoderKL(**_preset_part("tiny", "vae"))
     vae.eval()
     return vae
 
@@ -250,27 +218,12 @@ def tiny_controlnet_pipeline(num_controlnets: int = 1, scheduler: str = "DDIMSch
 
 
 def tiny_sdxl_unet(seed: int = 0):
-    """An SDXL-style UNet: no attention at the first level, text-time added conditioning, linear projections."""
+    """The ``tiny-sdxl`` preset's SDXL-style UNet: no attention at the first level, text-time added conditioning,
+    linear projections."""
     from ppdiffusers import UNet2DConditionModel
 
     paddle.seed(seed)
-    unet = UNet2DConditionModel(
-        sample_size=8,
-        in_channels=4,
-        out_channels=4,
-        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
-        up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
-        block_out_channels=(32, 64, 64),
-        layers_per_block=1,
-        attention_head_dim=(2, 4, 4),
-        transformer_layers_per_block=(1, 1, 2),
-        use_linear_projection=True,
-        cross_attention_dim=2 * TEXT_HIDDEN,
-        addition_embed_type="text_time",
-        addition_time_embed_dim=8,
-        projection_class_embeddings_input_dim=TEXT_HIDDEN + 6 * 8,
-        norm_num_groups=8,
-    )
+    unet = UNet2DConditionModel(**_preset_part("tiny-sdxl", "unet"))
     unet.eval()
     return unet
 
