@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import inspect
 import logging
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import paddle
 from ppdiffusers import DiffusionPipeline, ModelMixin
 
-from .config import ToMeConfig
+from .config import RatioSpec, ToMeConfig
 from .patch import ModelPatch, find_blocks, get_patch, remove_builtin_tome
 
 logger = logging.getLogger(__name__)
@@ -47,6 +47,24 @@ def _expand(obj: Any, name: str, strict: bool) -> List[Tuple[str, paddle.nn.Laye
     return []
 
 
+def _unsupported_reason(model: paddle.nn.Layer) -> str:
+    """Why ToMe cannot patch a model with no ``BasicTransformerBlock``, for the error message."""
+    blocks = sorted({type(layer).__name__ for _, layer in model.named_sublayers() if "Block" in type(layer).__name__})
+    joint = [b for b in blocks if "Joint" in b]
+    if joint:
+        return (
+            f"{type(model).__name__} is built from {', '.join(joint)}: joint attention runs text and image tokens "
+            "in one sequence, so the image tokens do not form the 2D grid that ToMe's partition needs; it is not "
+            "supported"
+        )
+    if blocks:
+        return (
+            f"{type(model).__name__} is built from {', '.join(blocks[:4])}, not ppdiffusers' BasicTransformerBlock "
+            "(UNets, ControlNets, and DiT / PixArt-alpha Transformer2DModel); it is not supported"
+        )
+    return f"{type(model).__name__} has no transformer blocks (BasicTransformerBlock)"
+
+
 def _targets(obj: Any, for_apply: bool) -> List[Tuple[str, paddle.nn.Layer]]:
     """Resolve what ``obj`` means: every model to patch, as ``(name, model)``. Raises ValueError on bad input."""
     if isinstance(obj, DiffusionPipeline):
@@ -56,9 +74,12 @@ def _targets(obj: Any, for_apply: bool) -> List[Tuple[str, paddle.nn.Layer]]:
                 found.extend(_expand(component, name, strict=False))
         targets = [(n, m) for n, m in found if find_blocks(m)]
         if for_apply and not targets:
+            denoisers = [(n, m) for n, m in found if n.startswith(("unet", "transformer", "prior", "decoder"))]
+            detail = "; ".join(_unsupported_reason(m) for _, m in denoisers)
             raise ValueError(
-                f"{type(obj).__name__} has no component with transformer blocks (looked at: "
-                f"{', '.join(n for n, _ in found) or 'nothing'}); ToMe needs a UNet or ControlNet with attention"
+                f"{type(obj).__name__} has no component with transformer blocks ToMe can patch (looked at: "
+                f"{', '.join(n for n, _ in found) or 'nothing'}){': ' + detail if detail else ''}. ToMe needs a "
+                "UNet, a ControlNet or a DiT / PixArt-alpha transformer"
             )
         return targets
     if not isinstance(obj, (paddle.nn.Layer, list, tuple)):
@@ -67,19 +88,19 @@ def _targets(obj: Any, for_apply: bool) -> List[Tuple[str, paddle.nn.Layer]]:
     if not layers:
         raise _bad_input(obj)
     if for_apply:
-        empty = [n for n, m in layers if not find_blocks(m)]
+        empty = [(n, m) for n, m in layers if not find_blocks(m)]
         if empty:
             raise ValueError(
-                f"{', '.join(empty)} has no transformer blocks (BasicTransformerBlock); apply ToMe to the "
-                "pipeline, its unet or its controlnet, not to the VAE or a text encoder"
+                f"{'; '.join(_unsupported_reason(m) for _, m in empty)}. Apply ToMe to the pipeline, its unet, its "
+                "controlnet or its DiT / PixArt-alpha transformer, not to the VAE or a text encoder"
             )
     return layers
 
 
 def apply_tome(
     obj: Any,
-    ratio: float = 0.5,
-    max_downsample: int = 1,
+    ratio: RatioSpec = 0.5,
+    max_downsample: Union[int, str] = "auto",
     sx: int = 2,
     sy: int = 2,
     use_rand: bool = True,
@@ -87,13 +108,23 @@ def apply_tome(
     merge_crossattn: bool = False,
     merge_mlp: bool = False,
     seed: int = 0,
+    method: str = "tome",
+    downsample_factor: int = 2,
+    downsample_mode: str = "nearest",
+    recompute_every: Union[int, Sequence[int]] = 1,
 ) -> Any:
-    """Patch a pipeline, a UNet, a ControlNet (single or multi) or a list of them with ToMe; returns ``obj``.
+    """Patch a pipeline, a UNet, a ControlNet (single or multi), a DiT / PixArt-alpha transformer or a list of
+    them with ToMe; returns ``obj``.
 
     Every model in ``obj`` that holds transformer blocks gets its own patch (the VAE and text encoders never do).
     Applying again replaces the previous settings (twice is the same as once); a model patched by ppdiffusers'
     built-in ``apply_tome`` is cleaned first. Arguments are validated before anything is touched (see
     :class:`ToMeConfig` for their meaning and ranges); bad input raises ``ValueError`` and leaves ``obj`` as it was.
+
+    Beyond tomesd: ``max_downsample="auto"`` (the default) finds the finest level with transformer blocks, so SDXL
+    merges too; ``ratio=(0.6, 0.3)`` or a callable of the denoising progress schedules the ratio;
+    ``recompute_every=k`` reuses each block's matching for ``k`` steps; ``method="todo"`` downsamples keys and
+    values instead of merging tokens.
 
     Example:
         >>> import ppdiffusers_tome
@@ -114,23 +145,37 @@ def apply_tome(
         merge_crossattn=merge_crossattn,
         merge_mlp=merge_mlp,
         seed=seed,
+        method=method,
+        downsample_factor=downsample_factor,
+        downsample_mode=downsample_mode,
+        recompute_every=recompute_every,
     )
     targets = _targets(obj, for_apply=True)
-    previous = [tome_config(model) for _, model in targets]
+    train_timesteps = _train_timesteps(obj)
+    previous = [get_patch(model) for _, model in targets]
+    previous = [(p.config, p.train_timesteps) if p is not None else None for p in previous]
     installed: List[ModelPatch] = []
     try:
         for name, model in targets:
             _unpatch(model)
-            installed.append(ModelPatch.install(model, config))
+            installed.append(ModelPatch.install(model, config, train_timesteps))
             logger.debug("ToMe applied to %s (%d blocks): %s", name, len(installed[-1].blocks), config)
     except BaseException:
         for patch in installed:
             patch.remove()
-        for (_, model), config_before in zip(targets, previous):  # put back what this package had applied
-            if config_before is not None and get_patch(model) is None:
-                ModelPatch.install(model, config_before)
+        for (_, model), before in zip(targets, previous):  # put back what this package had applied
+            if before is not None and get_patch(model) is None:
+                ModelPatch.install(model, *before)
         raise
     return obj
+
+
+def _train_timesteps(obj: Any) -> int:
+    """``num_train_timesteps`` of a pipeline's scheduler (the ``T`` of the denoising progress ``1 - t/T``); 1000,
+    the value of every Stable Diffusion scheduler, for a bare model."""
+    scheduler = obj.components.get("scheduler") if isinstance(obj, DiffusionPipeline) else None
+    value = getattr(getattr(scheduler, "config", None), "num_train_timesteps", None)
+    return int(value) if isinstance(value, int) and value > 0 else 1000
 
 
 def _unpatch(model: paddle.nn.Layer) -> None:
@@ -165,13 +210,21 @@ def tome_config(model: Any) -> Optional[ToMeConfig]:
 
 
 def tome_stats(obj: Any) -> Dict[str, Dict[str, int]]:
-    """Counters per patched model of ``obj``: ``blocks`` patched, forward ``calls`` seen and sub-layer ``merges``
-    run on merged tokens (all since ``apply_tome``)."""
+    """Counters per patched model of ``obj``, all since ``apply_tome``: ``blocks`` patched, forward ``calls`` seen,
+    sub-layer ``merges`` run on merged (or, with ToDo, downsampled) tokens, and merge plans ``plans_computed``
+    (matching run) and ``plans_reused`` (taken from the cache of ``recompute_every``)."""
     stats = {}
     for name, model in _targets(obj, for_apply=False):
         patch = get_patch(model)
         if patch is not None:
-            stats[name] = {"blocks": len(patch.blocks), "calls": patch.state.calls, "merges": patch.state.merges}
+            state = patch.state
+            stats[name] = {
+                "blocks": len(patch.blocks),
+                "calls": state.calls,
+                "merges": state.merges,
+                "plans_computed": state.plans_computed,
+                "plans_reused": state.plans_reused,
+            }
     return stats
 
 

@@ -5,6 +5,7 @@ Methods (``--methods``):
 * ``vanilla`` — the unpatched pipeline;
 * ``tome`` — this package at every ``--ratios`` value;
 * ``tome-efficient`` — ToMe plus Paddle's memory-efficient attention, where the device has it (else ``n/a``);
+* ``todo`` / ``todo-efficient`` — ToDo (keys and values downsampled, ``method="todo"``), without/with it;
 * ``builtin`` — ppdiffusers' own port (``--compare-builtin`` adds it);
 * ``bound`` — the zero-overhead bound: each block that ToMe would merge runs its attention on its first
   ``N - r`` tokens (``r = int(N * ratio)``) and pads the output back with zeros, with no matching at all. It ruins images; it is the speed
@@ -14,10 +15,16 @@ Every cell records seconds per image (whole pipeline call) and per UNet forward,
 memory, and fidelity against vanilla with the same seed (PSNR of the decoded image, relative L2 of the first noise
 prediction). With ``--unet-only`` the cell is one denoiser forward on fixed random inputs instead of a pipeline
 call. Out-of-memory is caught and reported as ``OOM`` in its cell; the grid goes on.
+
+``--variants`` adds configurations beyond the plain methods, each ``name:option=value,...`` with ``apply_tome``
+options, for example ``tome:recompute_every=5``, ``tome:ratio=(0.6,0.3)`` or
+``todo:downsample_factor=4,downsample_mode=average``. A ``tome`` variant without its own ``ratio`` runs at every
+``--ratios`` value. :func:`format_pareto` ranks everything by speed-up against fidelity.
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import logging
 import math
@@ -36,7 +43,9 @@ from .patch import ModelPatch, find_blocks, get_patch
 
 logger = logging.getLogger(__name__)
 
-ALL_METHODS = ("vanilla", "tome", "tome-efficient", "builtin", "bound")
+ALL_METHODS = ("vanilla", "tome", "tome-efficient", "todo", "todo-efficient", "builtin", "bound")
+_RATIO_FREE = ("vanilla", "todo", "todo-efficient")  # methods that do not run once per --ratios value
+_SHORT_OPTION = {"downsample_factor": "f", "downsample_mode": "mode", "recompute_every": "k"}
 
 
 # the zero-overhead bound ------------------------------------------------------------------------------------------
@@ -69,31 +78,105 @@ class BoundPatch(ModelPatch):
 # methods ---------------------------------------------------------------------------------------------------------
 @dataclass
 class Method:
+    """One configuration to measure: a method name, its ratio and extra ``apply_tome`` options."""
+
     name: str
     ratio: float = 0.0
+    options: Dict[str, Any] = field(default_factory=dict)
 
     @property
     def label(self) -> str:
-        return self.name if self.name == "vanilla" else f"{self.name}@{self.ratio:g}"
+        label = self.name if self.name in _RATIO_FREE or "ratio" in self.options else f"{self.name}@{self.ratio:g}"
+        if self.options:
+            parts = []
+            for key, value in self.options.items():
+                text = "-".join(f"{v:g}" for v in value) if isinstance(value, tuple) else str(value)
+                parts.append(f"{_SHORT_OPTION.get(key, key)}={text}".replace(" ", ""))
+            label += "[" + ",".join(parts) + "]"
+        return label
+
+
+def _split_top_level(text: str) -> List[str]:
+    """Split ``a=1,b=(2,3)`` at the commas outside brackets."""
+    parts, depth, current = [], 0, ""
+    for char in text:
+        depth += char in "([{"
+        depth -= char in ")]}"
+        if char == "," and depth == 0:
+            parts.append(current)
+            current = ""
+        else:
+            current += char
+    parts.append(current)
+    return [p.strip() for p in parts if p.strip()]
+
+
+def parse_variant(text: str) -> Method:
+    """``"todo:downsample_factor=4,downsample_mode=average"`` -> a :class:`Method` with those options (validated
+    by :class:`ToMeConfig`). Values are Python literals; bare words are strings.
+
+    >>> parse_variant("tome:recompute_every=5,ratio=(0.6,0.3)").label
+    'tome[k=5,ratio=0.6-0.3]'
+    """
+    name, _, rest = text.partition(":")
+    name = name.strip()
+    if name not in ("tome", "tome-efficient", "todo", "todo-efficient"):
+        raise ValueError(f"--variants: the method before ':' must be tome, tome-efficient, todo or todo-efficient; got {text!r}")
+    options: Dict[str, Any] = {}
+    for item in _split_top_level(rest):
+        key, eq, value = item.partition("=")
+        key = key.strip()
+        if not eq or not key:
+            raise ValueError(f"--variants: expected option=value in {text!r}; got {item!r}")
+        if key in ("method", "max_downsample") or key not in ToMeConfig.__dataclass_fields__:
+            allowed = sorted(set(ToMeConfig.__dataclass_fields__) - {"method", "max_downsample"})
+            raise ValueError(f"--variants: unknown option {key!r} in {text!r}; options are {', '.join(allowed)}")
+        try:
+            options[key] = ast.literal_eval(value.strip())
+        except (ValueError, SyntaxError):
+            options[key] = value.strip()
+        if isinstance(options[key], list):
+            options[key] = tuple(options[key])
+    method = Method(name, float(options["ratio"]) if isinstance(options.get("ratio"), (int, float)) else 0.0, options)
+    ToMeConfig(**_config_kwargs(method))  # validate now, not after minutes of vanilla runs
+    return method
+
+
+def _config_kwargs(method: Method, max_downsample: Any = "auto") -> Dict[str, Any]:
+    kwargs: Dict[str, Any] = dict(max_downsample=max_downsample)
+    if method.name.startswith("todo"):
+        kwargs["method"] = "todo"
+    else:
+        kwargs["ratio"] = method.ratio
+    kwargs.update(method.options)
+    return kwargs
+
+
+def builtin_level(pipe, max_downsample: Any) -> int:
+    """The integer level ppdiffusers' built-in port needs for ``max_downsample`` (it has no ``"auto"``): 2 for
+    SDXL-style UNets (no attention at the first level), else 1."""
+    if max_downsample != "auto":
+        return int(max_downsample)
+    return 2 if getattr(pipe.unet.config, "addition_embed_type", None) == "text_time" else 1
 
 
 class NotSupported(Exception):
     """The method cannot run on this device (reported as ``n/a`` in its cell)."""
 
 
-def configure(pipe, method: Method, max_downsample: int) -> None:
+def configure(pipe, method: Method, max_downsample: Any) -> None:
     """Put ``pipe`` in the state that ``method`` measures."""
     api.remove_tome(pipe)
     _set_efficient_attention(pipe, False)
     if method.name == "vanilla":
         return
-    if method.name in ("tome", "tome-efficient"):
-        api.apply_tome(pipe, ratio=method.ratio, max_downsample=max_downsample)
-        if method.name == "tome-efficient":
+    if method.name in ("tome", "tome-efficient", "todo", "todo-efficient"):
+        api.apply_tome(pipe, **_config_kwargs(method, max_downsample))
+        if method.name.endswith("-efficient"):
             _set_efficient_attention(pipe, True)
     elif method.name == "builtin":
         for _, model in api._targets(pipe, for_apply=True):
-            paddle.nn.Layer.apply_tome(model, ratio=method.ratio, max_downsample=max_downsample)
+            paddle.nn.Layer.apply_tome(model, ratio=method.ratio, max_downsample=builtin_level(pipe, max_downsample))
     elif method.name == "bound":
         config = ToMeConfig(ratio=method.ratio, max_downsample=max_downsample, use_rand=False)
         for _, model in api._targets(pipe, for_apply=True):
@@ -195,6 +278,8 @@ class Cell:
     batch: int
     method: str
     ratio: float
+    label: str = ""
+    options: Dict[str, Any] = field(default_factory=dict)
     status: str = "ok"  # ok | OOM | n/a
     reason: str = ""
     seconds_per_image: Optional[float] = None
@@ -206,6 +291,7 @@ class Cell:
     psnr_db: Optional[float] = None
     rel_l2: Optional[float] = None
     fraction_of_bound: Optional[float] = None
+    plans_reused_share: Optional[float] = None  # of the merge plans in one call, the share taken from the cache
     runs_seconds: List[float] = field(default_factory=list)
 
 
@@ -215,10 +301,11 @@ class BenchSettings:
     batch_sizes: Sequence[int] = (1,)
     ratios: Sequence[float] = (0.5,)
     methods: Sequence[str] = ("vanilla", "tome")
+    variants: Sequence[str] = ()
     steps: int = 20
     repeats: int = 3
     warmup: int = 1
-    max_downsample: int = 1
+    max_downsample: Any = "auto"
     unet_only: bool = False
     seed: int = 0
     prompt: str = "a lighthouse on a cliff at sunset, detailed oil painting"
@@ -229,10 +316,16 @@ def method_list(settings: BenchSettings) -> List[Method]:
     for name in settings.methods:
         if name not in ALL_METHODS:
             raise ValueError(f"--methods must be among {ALL_METHODS}; got {name!r}")
-        if name == "vanilla":
-            methods.append(Method("vanilla"))
+        if name in _RATIO_FREE:
+            methods.append(Method(name))
         else:
             methods.extend(Method(name, float(r)) for r in settings.ratios)
+    for text in settings.variants:
+        variant = parse_variant(text)
+        if variant.name.startswith("todo") or "ratio" in variant.options:
+            methods.append(variant)
+        else:
+            methods.extend(Method(variant.name, float(r), dict(variant.options)) for r in settings.ratios)
     if not any(m.name == "vanilla" for m in methods):
         methods.insert(0, Method("vanilla"))  # every ratio is against vanilla
     return methods
@@ -255,6 +348,7 @@ class Runner:
                 sample = output[0] if isinstance(output, (tuple, list)) else getattr(output, "sample", output)
                 first_output.append(np.asarray(sample.astype("float32").numpy(), dtype=np.float64))
 
+        before = self._plan_counts()
         inputs = self._inputs(size, batch) if s.unet_only else None  # built outside the timed window
         call = None if s.unet_only else _pipeline_kwargs(pipe, size, batch, s.steps, s.seed, s.prompt)
         timer = ForwardTimer(pipe.unet)
@@ -272,13 +366,19 @@ class Runner:
         finally:
             handle.remove()
             timer.remove()
+        computed, reused = (a - b for a, b in zip(self._plan_counts(), before))
         return dict(
             seconds=seconds,
+            reused_share=reused / (computed + reused) if computed + reused else None,
             unet_seconds=median(timer.seconds[1:] or timer.seconds),
             memory=mem,
             noise=first_output[0] if first_output else None,
             image=None if image is None else np.asarray(image, dtype=np.float64),
         )
+
+    def _plan_counts(self) -> Tuple[int, int]:
+        stats = api.tome_stats(self.pipe).values()
+        return sum(v["plans_computed"] for v in stats), sum(v["plans_reused"] for v in stats)
 
     def _inputs(self, size: int, batch: int) -> DenoiserInputs:
         key = (size, batch)
@@ -288,7 +388,7 @@ class Runner:
 
     def run_cell(self, size: int, batch: int, methods: List[Method]) -> List[Cell]:
         s = self.settings
-        cells = {m.label: Cell(size, batch, m.name, m.ratio) for m in methods}
+        cells = {m.label: Cell(size, batch, m.name, m.ratio, m.label, dict(m.options)) for m in methods}
         best: Dict[str, Dict[str, Any]] = {}
         for repeat in range(s.warmup + s.repeats):
             for method in methods:  # interleaved: drift on a shared machine hits every method alike
@@ -316,6 +416,7 @@ class Runner:
                         if "memory" not in kept or result["memory"].peak_bytes > kept["memory"].peak_bytes:
                             kept["memory"] = result["memory"]
                         kept["noise"], kept["image"] = result["noise"], result["image"]
+                        cell.plans_reused_share = result["reused_share"]
                 finally:
                     api.remove_tome(self.pipe)
                     self.progress()
@@ -410,7 +511,7 @@ def time_split(pipe, settings: BenchSettings, size: int, batch: int, method: Met
     try:
         configure(pipe, method, settings.max_downsample)
         models = [model for _, model in api._targets(pipe, for_apply=False)]
-        ours = method.name in ("tome", "tome-efficient", "bound")  # merge/unmerge hooks sit on attn1
+        ours = method.name in ("tome", "tome-efficient", "bound", "todo")  # ToMe's hooks sit on attn1
         for layer in [block.attn1 for model in models for _, block in find_blocks(model)]:
             handles.append(layer.register_forward_pre_hook(inner_pre))
             handles.append(layer.register_forward_post_hook(inner_post, prepend=True))
@@ -459,8 +560,7 @@ def format_table(cells: List[Cell], methods: List[Method]) -> str:
     rows = [header]
     by_key: Dict[Tuple[int, int], Dict[str, Cell]] = {}
     for cell in cells:
-        label = Method(cell.method, cell.ratio).label
-        by_key.setdefault((cell.resolution, cell.batch), {})[label] = cell
+        by_key.setdefault((cell.resolution, cell.batch), {})[cell.label] = cell
     for (size, batch), row_cells in by_key.items():
         row = [f"{size}x{size}", str(batch)]
         for label in labels:
@@ -479,10 +579,11 @@ def format_table(cells: List[Cell], methods: List[Method]) -> str:
 
 
 def format_details(cells: List[Cell]) -> str:
-    header = ["resolution", "batch", "method", "status", "s/image", "UNet s", "speed-up", "added MiB", "PSNR", "rel L2", "of bound"]
+    header = ["resolution", "batch", "method", "status", "s/image", "UNet s", "speed-up", "added MiB", "PSNR", "rel L2",
+              "of bound", "reused"]
     rows = [header]
     for c in cells:
-        label = Method(c.method, c.ratio).label
+        label = c.label
 
         def fmt(value, pattern):
             return "-" if value is None else pattern.format(value)
@@ -492,8 +593,52 @@ def format_details(cells: List[Cell]) -> str:
             fmt(c.seconds_per_image, "{:.3f}"), fmt(c.unet_seconds, "{:.3f}"), fmt(c.speedup, "{:.2f}x"),
             fmt(None if c.added_memory_bytes is None else c.added_memory_bytes / 2**20, "{:.0f}"),
             "inf" if c.psnr_db == float("inf") else fmt(c.psnr_db, "{:.1f}"), fmt(c.rel_l2, "{:.4f}"),
-            fmt(c.fraction_of_bound, "{:.1%}"),
+            fmt(c.fraction_of_bound, "{:.1%}"), fmt(c.plans_reused_share, "{:.0%}"),
         ])
+    return render(rows)
+
+
+def pareto_front(cells: List[Cell]) -> List[Cell]:
+    """The cells (of one resolution and batch) that no other cell beats on both speed-up and fidelity: PSNR of
+    the image when there is one, else the relative L2 of the first noise prediction."""
+    ok = [c for c in cells if c.status == "ok" and c.speedup is not None]
+
+    def fidelity(c: Cell) -> float:
+        if c.psnr_db is not None:
+            return c.psnr_db
+        return -c.rel_l2 if c.rel_l2 is not None else float("-inf")
+
+    front = []
+    for c in ok:
+        beaten = any(
+            o is not c and o.speedup >= c.speedup and fidelity(o) >= fidelity(c)
+            and (o.speedup > c.speedup or fidelity(o) > fidelity(c))
+            for o in ok
+        )
+        if not beaten:
+            front.append(c)
+    return front
+
+
+def format_pareto(cells: List[Cell]) -> str:
+    """One row per configuration, fastest first, with its fidelity to vanilla and whether it is on the Pareto
+    front of speed-up vs fidelity (for its resolution and batch)."""
+    header = ["resolution", "batch", "method", "speed-up", "PSNR dB", "rel L2", "reused", "Pareto"]
+    rows = [header]
+    groups: Dict[Tuple[int, int], List[Cell]] = {}
+    for cell in cells:
+        groups.setdefault((cell.resolution, cell.batch), []).append(cell)
+    for (size, batch), group in groups.items():
+        front = {id(c) for c in pareto_front(group)}
+        ranked = sorted((c for c in group if c.status == "ok" and c.speedup is not None), key=lambda c: -c.speedup)
+        for c in ranked:
+            rows.append([
+                f"{size}x{size}", str(batch), c.label, f"{c.speedup:.2f}x",
+                "inf" if c.psnr_db == float("inf") else ("-" if c.psnr_db is None else f"{c.psnr_db:.1f}"),
+                "-" if c.rel_l2 is None else f"{c.rel_l2:.4f}",
+                "-" if c.plans_reused_share is None else f"{c.plans_reused_share:.0%}",
+                "yes" if id(c) in front else "",
+            ])
     return render(rows)
 
 
@@ -523,7 +668,8 @@ def write_plots(cells: List[Cell], split: Dict[str, Dict[str, float]], folder: s
     for size, batch in sorted({(c.resolution, c.batch) for c in ok}):
         for name in ("tome", "builtin", "bound"):
             pts = sorted(
-                (c.ratio, c.speedup) for c in ok if (c.resolution, c.batch, c.method) == (size, batch, name) and c.speedup
+                (c.ratio, c.speedup) for c in ok
+                if (c.resolution, c.batch, c.method) == (size, batch, name) and c.speedup and not c.options
             )
             if pts:
                 ax.plot([0.0] + [p[0] for p in pts], [1.0] + [p[1] for p in pts], marker="o",
@@ -534,14 +680,14 @@ def write_plots(cells: List[Cell], split: Dict[str, Dict[str, float]], folder: s
     smallest_batch = min((c.batch for c in ok), default=1)
     rows = [c for c in ok if c.batch == smallest_batch and c.added_memory_bytes is not None]
     if len({c.resolution for c in rows}) > 1:  # memory against resolution, one line per method
-        for label in sorted({Method(c.method, c.ratio).label for c in rows}):
-            pts = sorted((c.resolution, c.added_memory_bytes / 2**20) for c in rows if Method(c.method, c.ratio).label == label)
+        for label in sorted({c.label for c in rows}):
+            pts = sorted((c.resolution, c.added_memory_bytes / 2**20) for c in rows if c.label == label)
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
         save(fig, ax, "memory_vs_resolution.png", "resolution (px)", "peak memory added by the call (MiB)")
     else:  # one resolution: memory against ratio, one line per method (vanilla is ratio 0 of each)
         vanilla = [c for c in rows if c.method == "vanilla"]
         for name in ("tome", "builtin", "bound"):
-            pts = sorted((c.ratio, c.added_memory_bytes / 2**20) for c in rows if c.method == name)
+            pts = sorted((c.ratio, c.added_memory_bytes / 2**20) for c in rows if c.method == name and not c.options)
             if pts:
                 pts = [(0.0, vanilla[0].added_memory_bytes / 2**20)] + pts if vanilla else pts
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)

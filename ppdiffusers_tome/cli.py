@@ -36,6 +36,16 @@ def _resolution(text: str) -> int:
     return value
 
 
+def _level(text: str):
+    """``--max-downsample``: ``auto`` or an integer (validated by ToMeConfig with the allowed values)."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be 'auto' or one of 1, 2, 4, 8; got {text!r}") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ppdiffusers-tome", description="Token Merging for ppdiffusers pipelines")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -45,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--preset", default=None, help="a shipped config instead of the default (see presets.py)")
     demo.add_argument("--resolution", type=_resolution, default=256, help="image height and width in pixels")
     demo.add_argument("--ratios", type=float, nargs="+", default=[0.3, 0.5], help="ToMe ratios to compare")
-    demo.add_argument("--max-downsample", type=int, default=1, help="ToMe max_downsample (1, 2, 4 or 8)")
+    demo.add_argument("--max-downsample", type=_level, default="auto", help="ToMe max_downsample (auto, 1, 2, 4 or 8)")
     demo.add_argument("--steps", type=_positive_int, default=8, help="denoising steps")
     demo.add_argument("--repeats", type=_positive_int, default=3, help="timed runs per method (median reported)")
     demo.add_argument("--seed", type=int, default=0)
@@ -66,12 +76,16 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--batch-sizes", type=_positive_int, nargs="+", default=[1], help="images per call")
     bench.add_argument("--ratios", type=float, nargs="+", default=[0.5])
     bench.add_argument("--methods", nargs="+", choices=ALL_METHODS, default=["vanilla", "tome", "tome-efficient", "bound"])
+    bench.add_argument("--variants", nargs="+", default=[], metavar="METHOD:OPTION=VALUE,...",
+                       help="extra configurations, e.g. tome:recompute_every=5 'tome:ratio=(0.6,0.3)' "
+                            "todo:downsample_factor=4,downsample_mode=average")
     bench.add_argument("--compare-builtin", action="store_true", help="add ppdiffusers' built-in ToMe port")
     bench.add_argument("--steps", type=_positive_int, default=20, help="denoising steps per pipeline call")
     bench.add_argument("--unet-only", action="store_true", help="time one denoiser forward instead of a pipeline call")
     bench.add_argument("--repeats", type=_positive_int, default=3, help="timed runs per method (median reported)")
     bench.add_argument("--warmup", type=int, default=1, help="untimed runs per method before timing")
-    bench.add_argument("--max-downsample", type=int, default=None, help="default: 2 for SDXL layouts, else 1")
+    bench.add_argument("--max-downsample", type=_level, default="auto",
+                       help="auto (default: the finest level with attention, 2 on SDXL), 1, 2, 4 or 8")
     bench.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
                        help="default: float16 on GPU, float32 on CPU")
     bench.add_argument("--threads", type=_positive_int, default=None, help="CPU threads for Paddle (default: all)")
@@ -245,25 +259,24 @@ def run_bench(args: argparse.Namespace) -> Dict[str, Any]:
 
     dtype = args.dtype or ("float16" if on_gpu() else "float32")
     _check_dtype(dtype)
-    max_downsample = args.max_downsample or 1  # raised to 2 below for SDXL-style UNets when not given
+    max_downsample = args.max_downsample
     methods = list(args.methods) + (["builtin"] if args.compare_builtin and "builtin" not in args.methods else [])
     settings = bench.BenchSettings(
         resolutions=args.resolutions, batch_sizes=args.batch_sizes, ratios=args.ratios, methods=methods,
-        steps=args.steps, repeats=args.repeats, warmup=max(args.warmup, 0), max_downsample=max_downsample,
-        unet_only=args.unet_only, seed=args.seed,
+        variants=list(args.variants), steps=args.steps, repeats=args.repeats, warmup=max(args.warmup, 0),
+        max_downsample=max_downsample, unet_only=args.unet_only, seed=args.seed,
     )
     for ratio in settings.ratios:  # validate before building anything
         from .config import ToMeConfig
 
         ToMeConfig(ratio=ratio, max_downsample=max_downsample)
+    bench.method_list(settings)  # (parses and validates --variants)
     threads = set_threads(args.threads)
     if args.model:
         pipe, source = load_local_pipeline(args.model, dtype=dtype), os.path.abspath(args.model)
     else:
         preset = args.arch or DEFAULT_PRESET
         pipe, source = preset_pipeline(preset, seed=args.seed, dtype=dtype), f"preset:{preset} (random weights)"
-    if args.max_downsample is None and getattr(pipe.unet.config, "addition_embed_type", None) == "text_time":
-        settings.max_downsample = 2  # SDXL-style: no transformer blocks at the first level
     with tqdm(total=bench.grid_steps(settings), desc="bench", unit="run", disable=None) as bar:
         cells = bench.run_grid(pipe, settings, progress=lambda: bar.update(1))
     split: Dict[str, Dict[str, float]] = {}
@@ -292,6 +305,9 @@ def run_bench(args: argparse.Namespace) -> Dict[str, Any]:
         bench.format_table(cells, bench.method_list(settings)),
         "",
         bench.format_details(cells),
+        "",
+        "speed-up vs fidelity to vanilla (Pareto: no other configuration is both faster and closer):",
+        bench.format_pareto(cells),
     ]
     if split:
         lines += ["", "time split of one UNet forward (s): "

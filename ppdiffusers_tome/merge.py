@@ -23,9 +23,12 @@ import numpy as np
 import paddle
 
 __all__ = [
+    "DOWNSAMPLE_MODES",
+    "DownsamplePlan",
     "MergePlan",
     "bipartite_soft_matching_random2d",
     "compute_dtype",
+    "downsample_tokens",
     "find_downsample",
     "grid_partition",
     "max_ratio",
@@ -34,6 +37,7 @@ __all__ = [
 _LOW_PRECISION = ("float16", "bfloat16")
 _NORM_EPS = 1e-6
 _MERGE_MODES = ("mean", "sum")
+DOWNSAMPLE_MODES = ("nearest", "average")
 
 GeneratorLike = Union[None, int, np.random.Generator]
 
@@ -334,3 +338,72 @@ def bipartite_soft_matching_random2d(
             paddle.zeros([batch * num_tokens], dtype="int64"), positions.reshape([-1]), rows.reshape([-1])
         )
     return plan
+
+
+# ToDo: token downsampling of keys and values (Smith et al. 2024) ----------------------------------------------------
+def downsample_tokens(x: paddle.Tensor, h: int, w: int, factor: int, mode: str = "nearest") -> paddle.Tensor:
+    """Downsample ``[B, h*w, C]`` tokens on their 2D grid by ``factor`` to ``[B, ceil(h/f)*ceil(w/f), C]``.
+
+    ``"nearest"`` keeps the top-left token of every ``factor x factor`` cell; ``"average"`` takes the mean of each
+    cell (cells cut by the grid's edge average the tokens they hold). Arithmetic runs in :func:`compute_dtype`; the
+    result has ``x``'s dtype. ``factor == 1`` returns ``x``.
+
+    >>> import paddle
+    >>> x = paddle.arange(16, dtype="float32").reshape([1, 16, 1])
+    >>> downsample_tokens(x, 4, 4, 2, "nearest").flatten().tolist()
+    [0.0, 2.0, 8.0, 10.0]
+    >>> downsample_tokens(x, 4, 4, 2, "average").flatten().tolist()
+    [2.5, 4.5, 10.5, 12.5]
+    """
+    if mode not in DOWNSAMPLE_MODES:
+        raise ValueError(f"mode must be one of {DOWNSAMPLE_MODES}, got {mode!r}")
+    if x.ndim != 3 or x.shape[1] != h * w:
+        raise ValueError(f"x must be [batch, h*w={h * w}, channels], got shape {list(x.shape)}")
+    if factor == 1:
+        return x
+    batch, channels = x.shape[0], x.shape[2]
+    grid = x.reshape([batch, h, w, channels])
+    if mode == "nearest":
+        out = grid[:, ::factor, ::factor, :]
+    else:
+        work = compute_dtype(x.dtype)
+        grid = grid if _dtype_name(x.dtype) == work else grid.astype(work)
+        out = paddle.nn.functional.avg_pool2d(
+            grid, kernel_size=factor, stride=factor, ceil_mode=True, exclusive=True, data_format="NHWC"
+        ).astype(x.dtype)
+    return out.reshape([batch, -1, channels])
+
+
+class DownsamplePlan:
+    """What ToDo does to one self-attention call: every query stays, keys and values come from the tokens
+    downsampled on their ``grid_h x grid_w`` grid (see :func:`downsample_tokens`). There is nothing to unmerge.
+
+    >>> import paddle
+    >>> plan = DownsamplePlan(num_tokens=64, batch_size=2, grid_h=8, grid_w=8, factor=2)
+    >>> list(plan.keys_values(paddle.randn([2, 64, 4])).shape)
+    [2, 16, 4]
+    """
+
+    def __init__(self, num_tokens: int, batch_size: int, grid_h: int, grid_w: int, factor: int, mode: str = "nearest"):
+        if mode not in DOWNSAMPLE_MODES:
+            raise ValueError(f"mode must be one of {DOWNSAMPLE_MODES}, got {mode!r}")
+        self.num_tokens, self.batch_size = int(num_tokens), int(batch_size)
+        self.grid_h, self.grid_w, self.factor, self.mode = int(grid_h), int(grid_w), int(factor), mode
+
+    def __repr__(self) -> str:
+        return (
+            f"DownsamplePlan(batch_size={self.batch_size}, grid={self.grid_h}x{self.grid_w}, "
+            f"factor={self.factor}, mode={self.mode!r})"
+        )
+
+    @property
+    def is_identity(self) -> bool:
+        return self.factor <= 1
+
+    @property
+    def kv_tokens(self) -> int:
+        """Keys/values per item after downsampling."""
+        return -(-self.grid_h // self.factor) * -(-self.grid_w // self.factor)
+
+    def keys_values(self, x: paddle.Tensor) -> paddle.Tensor:
+        return downsample_tokens(x, self.grid_h, self.grid_w, self.factor, self.mode)

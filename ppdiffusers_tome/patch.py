@@ -8,6 +8,11 @@ registers:
   tomesd) when the block's level qualifies;
 * a pre-hook/post-hook pair on ``attn1`` (and ``attn2``/``ff`` when enabled) that merges the sub-layer's input and
   unmerges its output, so the block's residual add sees full-size tensors, exactly where tomesd puts them.
+  With ``method="todo"`` only ``attn1`` gets a pre-hook, which passes the downsampled tokens as its keys/values.
+
+The token grid of a block comes from the latent size for UNets and ControlNets (``ceil(H/d) x ceil(W/d)`` at
+downsampling ``d``) and from the patch embedding for transformer-only models (``H/p x W/p`` for DiT and PixArt-alpha
+``Transformer2DModel`` with patch size ``p``, whose blocks all count as level 1).
 
 Removing the patch removes exactly those hooks and the one attribute it set, so the model's objects, parameters and
 state dict are those of the untouched model.
@@ -15,6 +20,7 @@ state dict are those of the untouched model.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import threading
@@ -25,8 +31,8 @@ import numpy as np
 import paddle
 from ppdiffusers.models.attention import BasicTransformerBlock
 
-from .config import ToMeConfig, tokens_to_merge
-from .merge import MergePlan, bipartite_soft_matching_random2d, find_downsample
+from .config import ToMeConfig, ratio_at, tokens_to_merge
+from .merge import DownsamplePlan, MergePlan, bipartite_soft_matching_random2d, find_downsample
 
 logger = logging.getLogger(__name__)
 
@@ -104,8 +110,8 @@ def _tracing() -> bool:
     return bool(in_to_static_mode() or in_sot_simulation_mode())
 
 
-def _timestep_bits(timestep: Any) -> Optional[Tuple[int, ...]]:
-    """A hashable, exact key for the timestep(s) of a call, or None when there is none."""
+def _timestep_values(timestep: Any) -> Optional[np.ndarray]:
+    """The distinct timestep values of a call (float64, sorted), or None when there is none."""
     if timestep is None:
         return None
     if isinstance(timestep, paddle.Tensor):
@@ -116,7 +122,13 @@ def _timestep_bits(timestep: Any) -> Optional[Tuple[int, ...]]:
         except (TypeError, ValueError):
             return None
     values = np.unique(values.reshape(-1))
-    return tuple(int(v) for v in values.view(np.uint64))
+    return values if values.size else None
+
+
+def _timestep_bits(timestep: Any) -> Optional[Tuple[int, ...]]:
+    """A hashable, exact key for the timestep(s) of a call, or None when there is none."""
+    values = _timestep_values(timestep)
+    return None if values is None else tuple(int(v) for v in values.view(np.uint64))
 
 
 def _take(table: Dict, key: Any) -> Any:
@@ -124,6 +136,16 @@ def _take(table: Dict, key: Any) -> Any:
     if key in table:
         return table.pop(key)
     return None
+
+
+def _positional_index(model: Any, name: str, default: int) -> int:
+    """Where argument ``name`` sits among the positional arguments of ``model.forward`` (the UNet takes the
+    timestep second, ``Transformer2DModel`` third)."""
+    try:
+        names = list(inspect.signature(model.forward).parameters)
+    except (TypeError, ValueError):
+        return default
+    return names.index(name) if name in names else default
 
 
 class _CallContext(threading.local):
@@ -137,6 +159,13 @@ class _CallContext(threading.local):
         self.finest_level: Optional[int] = None
         self.plans: Dict[int, MergePlan] = {}
         self.active: Dict[str, MergePlan] = {}  # by "<block>/<sub-layer>" (SOT supports no tuple keys)
+        self.progress = 0.0  # 1 - t/T of the call: 0 at pure noise, 1 at the clean image
+        # denoising steps, for plan caching: a step is a run of calls with the same timestep
+        self.step = -1
+        self.slot = 0  # which call at this step this is (the unprompted half of split guidance is slot 1)
+        self.last_key: Any = None
+        self.last_progress: Optional[float] = None
+        self.cache: Dict[str, Tuple[Any, int]] = {}  # "<block>/<slot>" -> (plan, step it was computed at)
 
 
 class ToMeState:
@@ -148,21 +177,29 @@ class ToMeState:
     (A model called without a timestep falls back to keying by the number of the call.)
     """
 
-    def __init__(self, config: ToMeConfig):
+    def __init__(self, config: ToMeConfig, train_timesteps: int = 1000):
         self.config = config
+        self.train_timesteps = int(train_timesteps)
+        tome = config.method == "tome"
+        # what the hooks need to know about the timestep (reading it is a host sync, and breaks static graphs)
+        self.needs_timestep = tome and (config.use_rand or config.is_scheduled or config.caches_plans)
+        self.needs_progress = tome and config.is_scheduled
         self.reset()
 
     def reset(self) -> None:
-        """Forget everything about earlier calls (the counters too)."""
+        """Forget everything about earlier calls (the counters and the cached plans too)."""
         self.call = _CallContext()
         self.calls = 0
         self.merges = 0  # sub-layer calls that ran on merged tokens, all calls together
+        self.plans_computed = 0
+        self.plans_reused = 0
         self.warned_no_merge = False
 
     def __deepcopy__(self, memo) -> "ToMeState":
         # a copied model starts with the same counters and no call in flight (thread-locals cannot be copied)
-        twin = ToMeState(self.config)
-        twin.calls, twin.merges, twin.warned_no_merge = self.calls, self.merges, self.warned_no_merge
+        twin = ToMeState(self.config, self.train_timesteps)
+        for name in ("calls", "merges", "plans_computed", "plans_reused", "warned_no_merge"):
+            setattr(twin, name, getattr(self, name))
         memo[id(self)] = twin
         return twin
 
@@ -191,14 +228,43 @@ class ToMeState:
         call.active.clear()
         shape = getattr(sample, "shape", None)
         call.latent_hw = (int(shape[-2]), int(shape[-1])) if shape is not None and len(shape) == 4 else None
-        # the timestep is only needed to key the random partition (reading it would break static-graph tracing)
-        if self.config.use_rand and _tracing():
+        # the timestep keys the random partition, the ratio schedule and the plan cache; reading it would break
+        # static-graph tracing, so it is only read when one of them is on
+        if not self.needs_timestep:
+            call.timestep_key = None
+            return
+        if _tracing():
+            config = self.config
+            what = "use_rand=True" if config.use_rand else "a ratio schedule" if config.is_scheduled else "recompute_every"
             raise ToMeStaticGraphError(
-                "ToMe with use_rand=True cannot be converted with paddle.jit.to_static: its random partition is "
-                "drawn per timestep at run time and would be frozen into the program. Apply ToMe with "
-                "use_rand=False before converting."
+                f"ToMe with {what} cannot be converted with paddle.jit.to_static: it reads the timestep at run time "
+                "(random partition per timestep, scheduled ratio, plan cache) and would be frozen into the program. "
+                "Apply ToMe with use_rand=False, a constant ratio and recompute_every=1 before converting."
             )
-        call.timestep_key = _timestep_bits(timestep) if self.config.use_rand else None
+        values = _timestep_values(timestep)
+        call.timestep_key = None if values is None else tuple(int(v) for v in values.view(np.uint64))
+        progress = None
+        if values is not None:  # the noisiest item of the batch decides
+            progress = min(max(1.0 - float(values[-1]) / self.train_timesteps, 0.0), 1.0)
+        call.progress = 0.0 if progress is None else progress
+        self._track_step(call, progress)
+
+    def _track_step(self, call: _CallContext, progress: Optional[float]) -> None:
+        """Count denoising steps: calls at the same timestep are one step (slots 0, 1, ...); a timestep noisier than
+        the last one starts a new generation, which forgets the cached plans."""
+        key = call.timestep_key if call.timestep_key is not None else ("call", call.number)
+        if call.last_key is not None and key == call.last_key:
+            call.slot += 1
+            return
+        restart = progress is not None and call.last_progress is not None and progress < call.last_progress
+        if call.last_key is None or restart:
+            call.step = 0
+            call.cache.clear()
+        else:
+            call.step += 1
+        call.slot = 0
+        call.last_key = key
+        call.last_progress = progress
 
     def end_call(self) -> None:
         """Drop what only the call in flight may use (plans, size, timestep); the counters for reporting stay."""
@@ -207,6 +273,23 @@ class ToMeState:
         call.active.clear()
         call.latent_hw = None
         call.timestep_key = None
+
+    def cached_plan(self, block_index: int, batch: int, num_tokens: int, r: int) -> Optional[MergePlan]:
+        """The plan this block may reuse at the current step under ``recompute_every``, or None."""
+        call, every = self.call, self.config.recompute_every
+        entry = call.cache.get(f"{block_index}/{call.slot}")
+        if entry is None:
+            return None
+        plan, step = entry
+        if plan.batch_size != batch or plan.num_tokens != num_tokens or plan.r != r:
+            return None
+        if isinstance(every, tuple):
+            return None if call.step in every else plan
+        return plan if call.step - step < every else None
+
+    def store_plan(self, block_index: int, plan: MergePlan) -> None:
+        call = self.call
+        call.cache[f"{block_index}/{call.slot}"] = (plan, call.step)
 
     def generator_for(self, block_index: int, grid_h: int, grid_w: int) -> np.random.Generator:
         key_part = self.call.timestep_key
@@ -278,6 +361,11 @@ class _SublayerHooks:
             return None
         if x.shape[0] != plan.batch_size or x.shape[1] != plan.num_tokens:
             return None  # e.g. chunked feed-forward: leave such calls alone
+        if isinstance(plan, DownsamplePlan):  # ToDo: queries stay, keys/values come from the downsampled tokens
+            if kwargs.get("encoder_hidden_states") is not None:
+                return None  # not self-attention after all (only_cross_attention blocks)
+            self.block.patch.state.merges += 1
+            return args, dict(kwargs, encoder_hidden_states=plan.keys_values(x))
         merged = plan.merge(x)
         call.active[key] = plan
         self.block.patch.state.merges += 1
@@ -335,22 +423,31 @@ class ModelPatch:
         >>> patch.remove()
     """
 
-    def __init__(self, model: paddle.nn.Layer, config: ToMeConfig):
+    def __init__(self, model: paddle.nn.Layer, config: ToMeConfig, train_timesteps: int = 1000):
         self.model = model
         self.config = config
-        self.state = ToMeState(config)
+        self.train_timesteps = int(train_timesteps)
+        self.state = ToMeState(config, train_timesteps)
         self.blocks: List[_BlockHooks] = []
         self._hooks: List[_HookRecord] = []
+        self.auto_level = config.max_downsample == "auto"
+        self.todo = config.method == "todo"
+        self.fixed_ratio = None if config.is_scheduled else config.ratio
+        self.caches = config.caches_plans  # (Paddle's SOT tracer cannot call dataclass properties)
+        # transformer-only models (DiT, PixArt-alpha): the token grid is the patch grid
+        patch_size = getattr(model, "patch_size", None) if getattr(model, "is_input_patches", False) else None
+        self.patch_size: Optional[int] = int(patch_size) if patch_size else None
+        self.timestep_arg = _positional_index(model, "timestep", default=1)
 
     @classmethod
-    def install(cls, model: paddle.nn.Layer, config: ToMeConfig) -> "ModelPatch":
+    def install(cls, model: paddle.nn.Layer, config: ToMeConfig, train_timesteps: int = 1000) -> "ModelPatch":
         blocks = find_blocks(model)
         if not blocks:
             raise ValueError(f"{type(model).__name__} has no transformer blocks (BasicTransformerBlock) to patch")
         previous = get_patch(model)
         if previous is not None:  # never leave a patch's hooks behind unreachable
             previous.remove()
-        patch = cls(model, config)
+        patch = cls(model, config, train_timesteps)
         try:
             patch._register(blocks)
         except BaseException:
@@ -364,7 +461,7 @@ class ModelPatch:
         add(_HookRecord(self.model, "pre", self, "_before_model"))
         add(_HookRecord(self.model, "post", self, "_after_model"))
         selected = [
-            ("attn1", self.config.merge_attn, True),
+            ("attn1", self.config.merge_attn or self.todo, True),
             ("attn2", self.config.merge_crossattn, False),
             ("ff", self.config.merge_mlp, False),
         ]
@@ -378,7 +475,8 @@ class ModelPatch:
                 if enabled and isinstance(sublayer, paddle.nn.Layer):
                     sub = _SublayerHooks(hooks, name, self_attention)
                     add(_HookRecord(sublayer, "pre", sub, "before"))
-                    add(_HookRecord(sublayer, "post", sub, "after"))
+                    if not self.todo:  # ToDo leaves the output as it is
+                        add(_HookRecord(sublayer, "post", sub, "after"))
 
     def _remove_hooks(self) -> None:
         while self._hooks:
@@ -395,24 +493,35 @@ class ModelPatch:
     # hooks ---------------------------------------------------------------------------------------------------
     def _before_model(self, layer, args, kwargs):
         sample = args[0] if args else kwargs.get("sample", kwargs.get("hidden_states"))
-        timestep = args[1] if len(args) > 1 else kwargs.get("timestep")
+        timestep = args[self.timestep_arg] if len(args) > self.timestep_arg else kwargs.get("timestep")
         self.state.begin_call(sample, timestep)
         return None
 
     def _after_model(self, layer, args, kwargs, output):
         state, config = self.state, self.config
         state.end_call()
-        if state.merged_blocks == 0 and config.ratio > 0 and not state.warned_no_merge:
+        if state.merged_blocks == 0 and not self.auto_level and not state.warned_no_merge:
             level = state.finest_level
             if level is not None and level > config.max_downsample:
                 state.warned_no_merge = True
                 message = (
                     f"ToMe merged no tokens in {type(self.model).__name__}: its highest-resolution transformer "
                     f"blocks run at {level}x downsampling, above max_downsample={config.max_downsample}. "
-                    f"Use max_downsample={level} to merge there."
+                    f"Use max_downsample={level} (or 'auto') to merge there."
                 )
                 warnings.warn(message, UserWarning, stacklevel=2)
         return None
+
+    def token_grid(self, num_tokens: int) -> Optional[Tuple[int, int, int]]:
+        """``(level, grid_h, grid_w)`` of a block with ``num_tokens`` tokens in the call in flight, or None."""
+        latent_h, latent_w = self.state.latent_hw
+        if self.patch_size is not None:  # every block of a patch transformer runs on the patch grid
+            grid_h, grid_w = latent_h // self.patch_size, latent_w // self.patch_size
+            return (1, grid_h, grid_w) if grid_h * grid_w == num_tokens else None
+        level = find_downsample(latent_h, latent_w, num_tokens)
+        if level is None:
+            return None
+        return level, math.ceil(latent_h / level), math.ceil(latent_w / level)
 
     def plan_for(self, block_index: int, hidden: Any) -> Optional[MergePlan]:
         """The merge plan of one block call, or None when this block does not merge in this call."""
@@ -420,21 +529,46 @@ class ModelPatch:
         if state.latent_hw is None or not isinstance(hidden, TENSOR_TYPES) or hidden.ndim != 3:
             return None
         num_tokens = hidden.shape[1]
-        latent_h, latent_w = state.latent_hw
-        level = find_downsample(latent_h, latent_w, num_tokens)
-        if level is None:
+        grid = self.token_grid(num_tokens)
+        if grid is None:
             return None
-        if state.call.finest_level is None or level < state.call.finest_level:
-            state.call.finest_level = level
-        if level > config.max_downsample:
+        level, grid_h, grid_w = grid
+        call = state.call
+        if call.finest_level is None or level < call.finest_level:
+            call.finest_level = level
+        # "auto": the finest level with transformer blocks, which is the first one a UNet's down path reaches
+        if level > (call.finest_level if self.auto_level else config.max_downsample):
             return None
-        r = tokens_to_merge(num_tokens, config.ratio)  # (Paddle's SOT tracer cannot call dataclass methods)
+        if self.todo:
+            call.merged_blocks += 1
+            return DownsamplePlan(num_tokens, hidden.shape[0], grid_h, grid_w, config.downsample_factor,
+                                  config.downsample_mode)
+        ratio = self.fixed_ratio if self.fixed_ratio is not None else self.scheduled_ratio(call.progress)
+        r = tokens_to_merge(num_tokens, ratio)  # (Paddle's SOT tracer cannot call dataclass methods)
         if r <= 0:
             return None
-        plan = self.make_plan(block_index, hidden, math.ceil(latent_h / level), math.ceil(latent_w / level), r)
+        plan = None
+        if self.caches:
+            plan = state.cached_plan(block_index, hidden.shape[0], num_tokens, r)
+        if plan is None:
+            plan = self.make_plan(block_index, hidden, grid_h, grid_w, r)
+            state.plans_computed += 1
+            if self.caches:
+                state.store_plan(block_index, plan)
+        else:
+            state.plans_reused += 1
         if not plan.is_identity:
-            state.call.merged_blocks += 1
+            call.merged_blocks += 1
         return plan
+
+    def scheduled_ratio(self, progress: float) -> float:
+        ratio = ratio_at(self.config.ratio, progress)
+        limit = 1.0 - 1.0 / (self.config.sx * self.config.sy)
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float, np.floating)) or not (
+            ratio == 0 or 0 < ratio < limit
+        ):
+            raise ValueError(f"ratio(progress={progress:.3f}) returned {ratio!r}; it must be a number in [0, {limit:g})")
+        return float(ratio)
 
     def make_plan(self, block_index: int, hidden: Any, grid_h: int, grid_w: int, r: int) -> MergePlan:
         """Match the block input ``hidden`` on its ``grid_h x grid_w`` grid and plan the merge of ``r`` tokens."""

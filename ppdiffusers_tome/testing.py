@@ -26,6 +26,8 @@ __all__ = [
     "tiny_sd_pipeline",
     "tiny_controlnet_pipeline",
     "tiny_sdxl_pipeline",
+    "tiny_dit_transformer",
+    "tiny_dit_pipeline",
 ]
 
 TEXT_HIDDEN = 32
@@ -243,6 +245,48 @@ def tiny_sdxl_pipeline(scheduler: str = "EulerDiscreteScheduler", seed: int = 0)
         unet=tiny_sdxl_unet(seed),
         scheduler=make_scheduler(scheduler),
         add_watermarker=False,
+    )
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def tiny_dit_transformer(norm_type: str = "ada_norm_zero", seed: int = 0, sample_size: int = 16):
+    """A small patch ``Transformer2DModel`` (patch size 2, 3 blocks) with random weights: DiT-style
+    (``norm_type="ada_norm_zero"``, class labels) or PixArt-alpha-style (``"ada_norm_single"``, cross-attention to
+    text embeddings of width 32). The PixArt-style model has no caption projection: ppdiffusers 0.29's
+    ``CaptionProjection`` calls ``paddle.randn(num_tokens, in_features)``, which Paddle 3.3 rejects, so it takes
+    embeddings already projected to the model width."""
+    from ppdiffusers import Transformer2DModel
+
+    if norm_type not in ("ada_norm_zero", "ada_norm_single"):
+        raise ValueError(f"norm_type must be 'ada_norm_zero' (DiT) or 'ada_norm_single' (PixArt-alpha); got {norm_type!r}")
+    kwargs: Dict[str, Any] = dict(
+        num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=8, num_layers=3,
+        sample_size=sample_size, patch_size=2, activation_fn="gelu-approximate", norm_type=norm_type,
+        norm_elementwise_affine=False, num_embeds_ada_norm=1000,
+    )
+    if norm_type == "ada_norm_single":
+        kwargs.update(cross_attention_dim=32, norm_eps=1e-6)
+    paddle.seed(seed)
+    model = Transformer2DModel(**kwargs)
+    for param in model.parameters():  # ada-norm-zero starts every block as the identity: draw non-zero gates
+        if float(param.abs().max()) == 0.0:
+            param.set_value(paddle.randn(param.shape, dtype=param.dtype) * 0.05)
+    model.eval()
+    return model
+
+
+def tiny_dit_pipeline(scheduler: str = "DDIMScheduler", seed: int = 0):
+    """A small ``DiTPipeline`` (class-conditional, transformer-only) with random weights.
+
+    >>> pipe = tiny_dit_pipeline()
+    >>> type(pipe.transformer).__name__
+    'Transformer2DModel'
+    """
+    import ppdiffusers
+
+    pipe = ppdiffusers.DiTPipeline(
+        transformer=tiny_dit_transformer("ada_norm_zero", seed), vae=tiny_vae(seed), scheduler=make_scheduler(scheduler)
     )
     pipe.set_progress_bar_config(disable=True)
     return pipe

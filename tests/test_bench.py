@@ -16,9 +16,9 @@ from tests.test_patch import unet_inputs
 
 QUICK = ["--resolutions", "32", "--steps", "1", "--repeats", "1", "--warmup", "0", "--threads", "1"]
 CELL_KEYS = {
-    "resolution", "batch", "method", "ratio", "status", "reason", "seconds_per_image", "unet_seconds", "speedup",
+    "resolution", "batch", "method", "ratio", "label", "options", "status", "reason", "seconds_per_image", "unet_seconds", "speedup",
     "peak_memory_bytes", "added_memory_bytes", "memory_kind", "psnr_db", "rel_l2", "fraction_of_bound",
-    "runs_seconds",
+    "plans_reused_share", "runs_seconds",
 }
 
 
@@ -63,8 +63,10 @@ def test_bench_fills_every_cell_and_writes_json_and_plots(tmp_path, capsys):
         with Image.open(path) as png:
             png.verify()
     assert len(data["plots"]) == 3
-    table = out.split("seconds per image (speed-up vs vanilla):")[1]
+    table = out.split("seconds per image (speed-up vs vanilla):")[1].split("\n\n")[0]
     assert table.count("32x32") == 2 and "n/a" in table and "tome@0.5" in table and "builtin@0.3" in table
+    pareto = out.split("Pareto: no other configuration is both faster and closer):")[1]
+    assert "vanilla" in pareto and "yes" in pareto
 
 
 def test_out_of_memory_is_reported_in_its_cell_and_the_grid_goes_on(tmp_path, monkeypatch, capsys):
@@ -106,7 +108,7 @@ def test_unet_only_mode_on_sdxl_and_controlnet_layouts(arch, tmp_path):
     cells = {c["method"]: c for c in load(tmp_path)["cells"]}
     assert cells["tome"]["status"] == "ok" and cells["tome"]["psnr_db"] is None  # no image in UNet-only mode
     assert 0 < cells["tome"]["rel_l2"] < 1 and 0 < cells["bound"]["rel_l2"]
-    assert load(tmp_path)["settings"]["max_downsample"] == (2 if arch == "tiny-sdxl" else 1)
+    assert load(tmp_path)["settings"]["max_downsample"] == "auto"  # SDXL's 2x level is found on its own
 
 
 def test_bench_rejects_bad_input_clearly(tmp_path, capsys):
@@ -159,7 +161,7 @@ def test_bench_on_a_local_sdxl_folder_merges_at_the_2x_level(tmp_path):
             "--no-time-split", "--no-plots", "--output", str(tmp_path / "out")]
     assert main(args) == 0
     data = load(tmp_path / "out")
-    assert data["settings"]["max_downsample"] == 2
+    assert data["settings"]["max_downsample"] == "auto"
     assert {c["method"]: c for c in data["cells"]}["tome"]["rel_l2"] > 0  # something was merged
 
 

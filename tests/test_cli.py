@@ -66,7 +66,7 @@ def test_demo_loads_a_local_pipeline_folder(tmp_path):
     "args,message",
     [
         (["--ratios", "0.9"], "ratio must be in"),
-        (["--max-downsample", "3"], "max_downsample must be one of"),
+        (["--max-downsample", "3"], "max_downsample must be 'auto' or one of"),
         (["--model", "/nonexistent/folder"], "--model must be a local pipeline folder"),
         (["--dtype", "float16"], "needs a GPU"),
     ],
