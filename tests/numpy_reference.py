@@ -97,3 +97,22 @@ def min_margin(metric: np.ndarray, src: np.ndarray, dst: np.ndarray, r: int) -> 
 def sort_rows(a: np.ndarray) -> np.ndarray:
     """Rows of each batch item in lexicographic order, to compare merged outputs up to row order."""
     return np.stack([item[np.lexsort(item.T[::-1])] for item in a])
+
+
+def reference_downsample(x: np.ndarray, h: int, w: int, factor: int, mode: str) -> np.ndarray:
+    """ToDo's downsampling of ``[B, h*w, C]`` tokens with plain loops: per ``factor x factor`` cell (cut at the
+    grid's edge), its top-left token ("nearest") or the mean of the tokens it holds ("average")."""
+    x = np.asarray(x, dtype=np.float64)
+    batch, _, channels = x.shape
+    out_h, out_w = math.ceil(h / factor), math.ceil(w / factor)
+    out = np.zeros((batch, out_h * out_w, channels))
+    for b in range(batch):
+        for i in range(out_h):
+            for j in range(out_w):
+                rows = range(i * factor, min((i + 1) * factor, h))
+                cols = range(j * factor, min((j + 1) * factor, w))
+                if mode == "nearest":
+                    out[b, i * out_w + j] = x[b, rows[0] * w + cols[0]]
+                else:
+                    out[b, i * out_w + j] = np.mean([x[b, y * w + z] for y in rows for z in cols], axis=0)
+    return out

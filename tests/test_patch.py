@@ -204,23 +204,248 @@ def test_odd_batch_keeps_randomness_and_merges():
     assert ppdiffusers_tome.tome_stats(pipe)["unet"]["merges"] == 2 * 3
 
 
-def test_sdxl_at_default_max_downsample_warns_once_with_advice():
-    unet = tiny_sdxl_unet()
+def sdxl_call(unet):
     sample, t, _ = unet_inputs(unet)
-    context = paddle.randn([2, 5, 64])
-    added = {"text_embeds": paddle.randn([2, 32]), "time_ids": paddle.to_tensor([[32.0, 32, 0, 0, 32, 32]] * 2)}
-    ppdiffusers_tome.apply_tome(unet, ratio=0.5)
+    rng = np.random.default_rng(5)
+    context = paddle.to_tensor(rng.standard_normal((2, 5, 64)).astype("float32"))
+    added = {"text_embeds": paddle.to_tensor(rng.standard_normal((2, 32)).astype("float32")),
+             "time_ids": paddle.to_tensor([[32.0, 32, 0, 0, 32, 32]] * 2)}
+    return (sample, t, context), dict(added_cond_kwargs=added)
+
+
+def test_sdxl_at_an_explicit_level_1_warns_once_with_advice():
+    unet = tiny_sdxl_unet()
+    args, kwargs = sdxl_call(unet)
+    ppdiffusers_tome.apply_tome(unet, ratio=0.5, max_downsample=1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with paddle.no_grad():
-            unet(sample, t, context, added_cond_kwargs=added)
-            unet(sample, t, context, added_cond_kwargs=added)
+            unet(*args, **kwargs)
+            unet(*args, **kwargs)
     messages = [str(w.message) for w in caught if "merged no tokens" in str(w.message)]
-    assert len(messages) == 1 and "max_downsample=2" in messages[0]
+    assert len(messages) == 1 and "max_downsample=2 (or 'auto')" in messages[0]
     ppdiffusers_tome.apply_tome(unet, ratio=0.5, max_downsample=2)
     with paddle.no_grad():
-        unet(sample, t, context, added_cond_kwargs=added)
+        unet(*args, **kwargs)
     assert get_patch(unet).state.merged_blocks > 0
+
+
+def outputs_and_merged_blocks(unet, call, **options):
+    args, kwargs = call
+    ppdiffusers_tome.apply_tome(unet, use_rand=False, **options)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with paddle.no_grad():
+            out = unet(*args, **kwargs).sample.numpy()
+    merged = get_patch(unet).state.merged_blocks
+    ppdiffusers_tome.remove_tome(unet)
+    return out, merged, [w for w in caught if "merged no tokens" in str(w.message)]
+
+
+def test_auto_level_merges_sdxl_at_its_2x_level_without_being_told():
+    unet = tiny_sdxl_unet()  # no attention at 1x; 1 block at 2x in the down path, 2 in the up path
+    call = sdxl_call(unet)
+    auto, auto_blocks, warned = outputs_and_merged_blocks(unet, call)  # max_downsample="auto" is the default
+    level2, level2_blocks, _ = outputs_and_merged_blocks(unet, call, max_downsample=2)
+    assert auto_blocks == level2_blocks == 3 and not warned
+    np.testing.assert_array_equal(auto, level2)
+    level4, level4_blocks, _ = outputs_and_merged_blocks(unet, call, max_downsample=4)
+    assert level4_blocks > auto_blocks and np.abs(level4 - auto).max() > 0
+
+
+def test_auto_level_on_the_sd_layout_is_level_1():
+    unet = tiny_unet()
+    call = (unet_inputs(unet), {})
+    auto, auto_blocks, _ = outputs_and_merged_blocks(unet, call, max_downsample="auto")
+    level1, level1_blocks, _ = outputs_and_merged_blocks(unet, call, max_downsample=1)
+    assert auto_blocks == level1_blocks == 3
+    np.testing.assert_array_equal(auto, level1)
+
+
+# ToDo ---------------------------------------------------------------------------------------------------------------
+def expected_todo_block_output(block, x, context, h, w, factor, mode):
+    """BasicTransformerBlock with ToDo written out by hand: self-attention's keys/values from the downsampled
+    normed tokens, every query kept, nothing else changed."""
+    from tests.numpy_reference import reference_downsample
+
+    n = block.norm1(x)
+    kv = paddle.to_tensor(reference_downsample(n.numpy(), h, w, factor, mode).astype("float32"))
+    x = block.attn1(n, encoder_hidden_states=kv) + x
+    x = block.attn2(block.norm2(x), encoder_hidden_states=context) + x
+    return block.ff(block.norm3(x)) + x
+
+
+@pytest.mark.parametrize("factor, mode", [(2, "nearest"), (2, "average"), (4, "average")])
+def test_todo_downsamples_only_the_keys_and_values_of_self_attention(factor, mode):
+    unet = tiny_unet()
+    block = find_blocks(unet)[0][1]
+    rng = np.random.default_rng(11)
+    x = paddle.to_tensor(rng.standard_normal((2, 256, 32)).astype("float32"))
+    context = paddle.to_tensor(rng.standard_normal((2, 5, 32)).astype("float32"))
+    with paddle.no_grad():
+        expected = expected_todo_block_output(block, x, context, 16, 16, factor, mode).numpy()
+        vanilla = block(x, encoder_hidden_states=context).numpy()
+        patch = ModelPatch.install(unet, ToMeConfig(method="todo", downsample_factor=factor, downsample_mode=mode))
+        patch.state.begin_call(paddle.zeros([2, 4, 16, 16]), None)
+        got = block(x, encoder_hidden_states=context).numpy()
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+    assert np.abs(got - vanilla).max() > 1e-3
+    patch.remove()
+
+
+def test_todo_hooks_only_self_attention_inputs_and_never_matches():
+    unet = tiny_unet()
+    before = hook_counts(unet)
+    ppdiffusers_tome.apply_tome(unet, method="todo")
+    block = find_blocks(unet)[0][1]
+    assert (len(block.attn1._forward_pre_hooks), len(block.attn1._forward_post_hooks)) == (1, 0)
+    assert not block.attn2._forward_pre_hooks and not block.ff._forward_pre_hooks
+    keys = []
+    handle = block.attn1.register_forward_pre_hook(
+        lambda layer, args, kwargs: keys.append(kwargs["encoder_hidden_states"].shape[1]), with_kwargs=True
+    )
+    with paddle.no_grad():
+        unet(*unet_inputs(unet))
+    handle.remove()
+    stats = ppdiffusers_tome.tome_stats(unet)["UNet2DConditionModel"]
+    assert keys == [64] and stats["merges"] == 3 and stats["plans_computed"] == 0  # 256 queries, 64 keys
+    ppdiffusers_tome.remove_tome(unet)
+    assert hook_counts(unet) == before
+
+
+def test_todo_composes_with_the_efficient_attention_processor(monkeypatch):
+    """ppdiffusers' XFormersAttnProcessor calls F.scaled_dot_product_attention_, which Paddle's CPU build lacks; a
+    plain implementation of the same contract stands in, so the processor path itself runs with fewer keys."""
+    from ppdiffusers.models.attention_processor import AttnProcessor, XFormersAttnProcessor
+
+    seen = []
+
+    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, training=False,
+             attention_op=None):  # [batch, tokens, heads, head_dim], as ppdiffusers passes them
+        seen.append((query.shape[1], key.shape[1]))
+        q, k, v = (t.transpose([0, 2, 1, 3]) for t in (query, key, value))
+        weights = paddle.nn.functional.softmax(paddle.matmul(q * scale, k, transpose_y=True), axis=-1)
+        return paddle.matmul(weights, v).transpose([0, 2, 1, 3])
+
+    monkeypatch.setattr(paddle.nn.functional, "scaled_dot_product_attention_", sdpa, raising=False)
+    unet = tiny_unet()
+    inputs = unet_inputs(unet)
+    ppdiffusers_tome.apply_tome(unet, method="todo", downsample_mode="average")
+    with paddle.no_grad():
+        plain = unet(*inputs).sample.numpy()
+        unet.set_attn_processor(XFormersAttnProcessor())
+        efficient = unet(*inputs).sample.numpy()
+        unet.set_attn_processor(AttnProcessor())
+    assert (256, 64) in seen and (256, 256) not in seen  # the first level's self-attention ran on 64 keys
+    np.testing.assert_allclose(efficient, plain, rtol=1e-4, atol=1e-5)
+
+
+# plan caching -------------------------------------------------------------------------------------------------------
+def plans_seen(unet, calls):
+    """Run ``calls`` (UNet kwargs) and return the first block's plan object in each."""
+    patch, seen = get_patch(unet), []
+    handle = find_blocks(unet)[0][1].attn1.register_forward_pre_hook(lambda layer, args: seen.append(patch.blocks[0].plan))
+    with paddle.no_grad():
+        for kwargs in calls:
+            unet(**kwargs)
+    handle.remove()
+    return seen
+
+
+def test_recompute_every_reuses_a_blocks_plan_for_k_steps_then_recomputes():
+    unet = tiny_unet()
+    sample, _, context = unet_inputs(unet, batch=2)
+    ppdiffusers_tome.apply_tome(unet, ratio=0.5, recompute_every=2)
+    steps = [dict(sample=sample, timestep=paddle.to_tensor([t, t]), encoder_hidden_states=context) for t in (999, 800, 600, 400, 200)]
+    plans = plans_seen(unet, steps)
+    assert plans[0] is plans[1] and plans[2] is plans[3] and plans[4] is not plans[2] and plans[2] is not plans[0]
+    # the reused plan keeps step 0's random partition although the timestep changed
+    assert not np.array_equal(plans[0].dst_pos.numpy(), plans[2].dst_pos.numpy())
+    stats = ppdiffusers_tome.tome_stats(unet)["UNet2DConditionModel"]
+    assert (stats["plans_computed"], stats["plans_reused"]) == (3 * 3, 2 * 3)  # steps 0, 2, 4 recompute; 3 blocks
+
+
+def test_recompute_at_listed_steps_and_restart_with_a_new_generation():
+    unet = tiny_unet()
+    sample, _, context = unet_inputs(unet, batch=1)
+    ppdiffusers_tome.apply_tome(unet, ratio=0.5, recompute_every=[0, 3])
+    at = lambda t: dict(sample=sample, timestep=paddle.to_tensor([t]), encoder_hidden_states=context)  # noqa: E731
+    plans = plans_seen(unet, [at(t) for t in (900, 700, 500, 300, 100)] + [at(900), at(700)])
+    assert plans[0] is plans[1] is plans[2] and plans[3] is plans[4] and plans[3] is not plans[0]
+    assert plans[5] is not plans[4] and plans[6] is plans[5]  # t went back up: a new generation starts at step 0
+    np.testing.assert_array_equal(plans[5].dst_pos.numpy(), plans[0].dst_pos.numpy())  # same timestep, same draw
+
+
+def test_plan_cache_keeps_the_two_halves_of_split_guidance_apart():
+    unet = tiny_unet()
+    sample, _, context = unet_inputs(unet, batch=2)
+    ppdiffusers_tome.apply_tome(unet, ratio=0.5, recompute_every=2)
+    calls = [dict(sample=sample[i : i + 1], timestep=paddle.to_tensor([t]), encoder_hidden_states=context[i : i + 1])
+             for t in (999, 900) for i in (0, 1)]
+    cond0, uncond0, cond1, uncond1 = plans_seen(unet, calls)
+    assert cond1 is cond0 and uncond1 is uncond0 and uncond0 is not cond0  # each half reuses its own matching
+
+
+def test_caching_changes_only_later_steps_and_stays_close_to_recomputing():
+    from ppdiffusers_tome.testing import tiny_sd_pipeline
+
+    pipe = tiny_sd_pipeline()
+    vanilla = run(pipe, steps=4)
+    pipe.apply_tome(ratio=0.5)
+    fresh = run(pipe, steps=4)
+    pipe.apply_tome(ratio=0.5, recompute_every=1)
+    np.testing.assert_array_equal(run(pipe, steps=4), fresh)  # k = 1 is the paper's behaviour exactly
+    pipe.apply_tome(ratio=0.5, recompute_every=4)
+    cached = run(pipe, steps=4)
+    stats = ppdiffusers_tome.tome_stats(pipe)["unet"]
+    assert (stats["plans_computed"], stats["plans_reused"]) == (3, 9)
+    assert 0 < np.abs(cached - fresh).max() and np.abs(cached - vanilla).mean() < 3 * np.abs(fresh - vanilla).mean()
+
+
+# ratio schedules ----------------------------------------------------------------------------------------------------
+def test_ratio_schedule_follows_the_denoising_progress():
+    unet = tiny_unet()
+    sample, _, context = unet_inputs(unet, batch=1)
+    ppdiffusers_tome.apply_tome(unet, ratio=(0.6, 0.2))
+    at = lambda t: dict(sample=sample, timestep=paddle.to_tensor([t]), encoder_hidden_states=context)  # noqa: E731
+    plans = plans_seen(unet, [at(999), at(500), at(0)])
+    expected = [int(256 * (0.6 + (0.2 - 0.6) * (1 - t / 1000))) for t in (999, 500, 0)]
+    assert [p.r for p in plans] == expected == [153, 102, 51]
+
+
+def test_ratio_schedule_can_switch_merging_off_late_and_reports_bad_values_clearly():
+    unet = tiny_unet()
+    sample, _, context = unet_inputs(unet, batch=1)
+    at = lambda t: dict(sample=sample, timestep=paddle.to_tensor([t]), encoder_hidden_states=context)  # noqa: E731
+    ppdiffusers_tome.apply_tome(unet, ratio=lambda p: 0.5 if p < 0.5 else 0.0)
+    with paddle.no_grad():
+        unet(**at(900))
+        assert get_patch(unet).state.merged_blocks == 3
+        unet(**at(100))
+        assert get_patch(unet).state.merged_blocks == 0
+    ppdiffusers_tome.apply_tome(unet, ratio=lambda p: 0.9 if 0.52 < p < 0.58 else 0.3)  # passes the 11 probes
+    with pytest.raises(ValueError, match=r"ratio\(progress=0.550\) returned 0.9; it must be a number in \[0, 0.75\)"):
+        with paddle.no_grad():
+            unet(**at(450))
+
+
+def test_pipeline_progress_uses_its_schedulers_training_timesteps():
+    from ppdiffusers import DDIMScheduler
+
+    from ppdiffusers_tome.testing import tiny_sd_pipeline
+
+    pipe = tiny_sd_pipeline()
+    pipe.scheduler = DDIMScheduler(num_train_timesteps=500, beta_schedule="scaled_linear", clip_sample=False)
+    pipe.apply_tome(ratio=(0.6, 0.0))
+    patch = get_patch(pipe.unet)
+    assert patch.train_timesteps == 500
+    ratios = []
+    handle = find_blocks(pipe.unet)[0][1].attn1.register_forward_pre_hook(
+        lambda layer, args: ratios.append(patch.blocks[0].plan.r / 256 if patch.blocks[0].plan else 0.0)
+    )
+    run(pipe, steps=2)  # DDIM with 500 training steps and 2 steps: t = 250, then 0
+    handle.remove()
+    assert ratios == [pytest.approx(int(256 * 0.3) / 256), 0.0]
 
 
 def test_remove_restores_hook_tables_and_attributes():

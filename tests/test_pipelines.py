@@ -4,8 +4,17 @@ import numpy as np
 import pytest
 
 import ppdiffusers_tome
-from ppdiffusers_tome.testing import tiny_controlnet_pipeline, tiny_sd_pipeline, tiny_sdxl_pipeline
-from tests.conftest import run
+import paddle
+
+from ppdiffusers_tome.patch import get_patch
+from ppdiffusers_tome.testing import (
+    tiny_controlnet_pipeline,
+    tiny_dit_pipeline,
+    tiny_dit_transformer,
+    tiny_sd_pipeline,
+    tiny_sdxl_pipeline,
+)
+from tests.conftest import generator, run
 
 
 def control_image():
@@ -28,15 +37,20 @@ def build(kind, init_image, mask_image):
         names = {"unet", "controlnet.nets.0", "controlnet.nets.1"}
         return tiny_controlnet_pipeline(2), dict(image=[control_image(), control_image()]), {}, names
     if kind == "sdxl":
-        return tiny_sdxl_pipeline(), {}, dict(max_downsample=2), {"unet"}
+        return tiny_sdxl_pipeline(), {}, {}, {"unet"}  # the default max_downsample="auto" finds SDXL's 2x level
     raise AssertionError(kind)
 
 
-@pytest.mark.parametrize("kind", ["txt2img", "img2img", "inpaint", "controlnet", "multicontrolnet", "sdxl"])
-def test_pipeline_merges_and_is_restored_exactly(kind, init_image, mask_image):
+KINDS = ["txt2img", "img2img", "inpaint", "controlnet", "multicontrolnet", "sdxl"]
+
+
+@pytest.mark.parametrize("options", [dict(ratio=0.5), dict(method="todo"), dict(ratio=(0.6, 0.3), recompute_every=2)],
+                         ids=["tome", "todo", "scheduled-cached"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_pipeline_merges_and_is_restored_exactly(kind, options, init_image, mask_image):
     pipe, call, apply, patched = build(kind, init_image, mask_image)
     vanilla = run(pipe, steps=3, **call)
-    pipe.apply_tome(ratio=0.5, **apply)
+    pipe.apply_tome(**options, **apply)
     merged = run(pipe, steps=3, **call)
     stats = ppdiffusers_tome.tome_stats(pipe)
     assert set(stats) == patched
@@ -67,3 +81,61 @@ def test_higher_ratio_moves_further_from_vanilla():
         pipe.apply_tome(ratio=ratio, use_rand=False)
         errors.append(np.abs(run(pipe, steps=3) - vanilla).mean())
     assert 0 < errors[0] < errors[1]
+
+
+def run_dit(pipe, steps=3):
+    return pipe(class_labels=[3, 7], num_inference_steps=steps, generator=generator(0), output_type="np").images
+
+
+@pytest.mark.parametrize("options", [dict(ratio=0.5), dict(method="todo")], ids=["tome", "todo"])
+def test_dit_pipeline_merges_on_its_patch_grid_and_is_restored_exactly(options):
+    pipe = tiny_dit_pipeline()  # 16 x 16 latent, patch size 2: every block sees an 8 x 8 grid of 64 tokens
+    vanilla = run_dit(pipe)
+    pipe.apply_tome(**options)
+    patch = get_patch(pipe.transformer)
+    grids = []
+    handle = pipe.transformer.transformer_blocks[2].attn1.register_forward_pre_hook(
+        lambda layer, args: grids.append(patch.blocks[2].plan)
+    )
+    merged = run_dit(pipe)
+    handle.remove()
+    stats = ppdiffusers_tome.tome_stats(pipe)
+    assert list(stats) == ["transformer"] and stats["transformer"]["merges"] == 3 * 3  # 3 blocks x 3 steps
+    plan = grids[0]
+    assert (plan.batch_size, plan.num_tokens) == (4, 64)  # two labels, with and without guidance
+    if options.get("method") == "todo":
+        assert (plan.grid_h, plan.grid_w, plan.kv_tokens) == (8, 8, 16)
+    else:
+        assert plan.r == 32
+    assert np.isfinite(merged).all() and 0 < np.abs(merged - vanilla).max() < 1.0
+    pipe.remove_tome()
+    np.testing.assert_array_equal(run_dit(pipe), vanilla)
+
+
+def test_pixart_style_transformer_reads_the_timestep_from_its_third_positional_argument():
+    model = tiny_dit_transformer("ada_norm_single")
+    rng = np.random.default_rng(2)
+    x = paddle.to_tensor(rng.standard_normal((2, 4, 16, 16)).astype("float32"))
+    context = paddle.to_tensor(rng.standard_normal((2, 5, 32)).astype("float32"))
+    added = {"resolution": None, "aspect_ratio": None}
+    with paddle.no_grad():
+        vanilla = model(x, context, paddle.to_tensor([500, 500]), added_cond_kwargs=added).sample.numpy()
+        ppdiffusers_tome.apply_tome(model, ratio=(0.6, 0.0))
+        patch, rs = get_patch(model), []
+        handle = model.transformer_blocks[0].attn1.register_forward_pre_hook(lambda layer, args: rs.append(patch.blocks[0].plan.r))
+        merged = model(x, context, paddle.to_tensor([500, 500]), added_cond_kwargs=added).sample.numpy()
+        model(x, context, paddle.to_tensor([250, 250]), added_cond_kwargs=added)
+        handle.remove()
+    assert rs == [int(64 * 0.3), int(64 * 0.15)]  # progress 0.5 and 0.75
+    assert 0 < np.abs(merged - vanilla).max() < 1.0
+
+
+def test_transformers_without_basic_blocks_are_refused_with_the_reason():
+    from ppdiffusers import SD3Transformer2DModel
+
+    model = SD3Transformer2DModel(sample_size=8, patch_size=2, in_channels=4, num_layers=1, attention_head_dim=8,
+                                  num_attention_heads=2, joint_attention_dim=16, caption_projection_dim=16,
+                                  pooled_projection_dim=8, out_channels=4, pos_embed_max_size=8)
+    with pytest.raises(ValueError, match="JointTransformerBlock: joint attention runs text and image tokens in one sequence"):
+        ppdiffusers_tome.apply_tome(model)
+    assert get_patch(model) is None

@@ -34,13 +34,17 @@ def small_unet():
 SPEC = [InputSpec([2, 4, 16, 16], "float32"), InputSpec([2], "int64"), InputSpec([2, 5, 32], "float32")]
 
 
-@pytest.mark.parametrize("full_graph", [True, False], ids=["ast", "sot"])
-def test_patched_unet_converts_saves_and_loads_with_same_output(tmp_path, full_graph):
+@pytest.mark.parametrize(
+    "full_graph, options",
+    [(True, dict(ratio=0.5, use_rand=False)), (False, dict(ratio=0.5, use_rand=False)), (True, dict(method="todo"))],
+    ids=["ast", "sot", "todo-ast"],
+)
+def test_patched_unet_converts_saves_and_loads_with_same_output(tmp_path, full_graph, options):
     unet = small_unet()
     inputs = unet_inputs(unet)
     with paddle.no_grad():
         vanilla = unet(*inputs).sample.numpy()
-    unet.apply_tome(ratio=0.5, use_rand=False)
+    unet.apply_tome(**options)  # (ToDo has no randomness: its default use_rand=True does not matter)
     with paddle.no_grad():
         dynamic = unet(*inputs).sample.numpy()
     assert np.abs(dynamic - vanilla).max() > 1e-4  # ToMe is active in the dynamic model
@@ -55,11 +59,19 @@ def test_patched_unet_converts_saves_and_loads_with_same_output(tmp_path, full_g
     np.testing.assert_allclose(loaded(*inputs).numpy(), dynamic, rtol=1e-5, atol=1e-5)
 
 
-def test_random_partition_refuses_conversion_with_a_clear_error(tmp_path):
+@pytest.mark.parametrize(
+    "options, named",
+    [
+        (dict(use_rand=True), "use_rand=True"),
+        (dict(use_rand=False, ratio=(0.6, 0.3)), "a ratio schedule"),
+        (dict(use_rand=False, recompute_every=3), "recompute_every"),
+    ],
+)
+def test_options_that_read_the_timestep_refuse_conversion_with_a_clear_error(tmp_path, options, named):
     unet = small_unet()
-    unet.apply_tome(ratio=0.5, use_rand=True)
+    unet.apply_tome(**options)
     static = paddle.jit.to_static(NoisePredictor(unet), input_spec=SPEC, full_graph=True)
-    with pytest.raises(ToMeStaticGraphError, match="use_rand=True cannot be converted"):
+    with pytest.raises(ToMeStaticGraphError, match=f"ToMe with {named} cannot be converted"):
         paddle.jit.save(static, str(tmp_path / "unet"))
     ppdiffusers_tome.remove_tome(unet)  # the dynamic model is still fine afterwards
     with paddle.no_grad():
