@@ -609,7 +609,8 @@ def test_apply_and_remove_from_a_step_callback_take_effect_at_the_next_step():
         return kwargs
 
     run(pipe, steps=5, callback_on_step_end=callback)
-    assert log == [{"blocks": 7, "calls": 2, "merges": 6}]  # steps 1 and 2 merged, 3 blocks each
+    expected = {"blocks": 7, "calls": 2, "merges": 6, "plans_computed": 6, "plans_reused": 0}
+    assert log == [expected]  # steps 1 and 2 merged, 3 blocks each
     assert get_patch(pipe.unet) is None
 
 
