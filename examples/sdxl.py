@@ -1,5 +1,5 @@
-"""SDXL with ToMe. SDXL's first UNet level has no attention, so merge at the 2x level: max_downsample=2
-(with the default of 1 nothing merges, and ppdiffusers_tome warns once saying so).
+"""SDXL with ToMe. SDXL's first UNet level has no attention; the default max_downsample="auto" finds the 2x level
+on its own (tomesd's default of 1 would merge nothing there).
 
     python examples/sdxl.py                                         # tiny SDXL-style model, random weights
     python examples/sdxl.py --model /path/to/stable-diffusion-xl-base-1.0 --resolution 1024 --steps 30
@@ -29,7 +29,7 @@ def main(argv=None):
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
     pipe = load_local_pipeline(args.model) if args.model else preset_pipeline("tiny-sdxl")
-    pipe.apply_tome(ratio=args.ratio, max_downsample=2)
+    pipe.apply_tome(ratio=args.ratio)  # max_downsample="auto": the 2x level on SDXL
     image = pipe(args.prompt, height=args.resolution, width=args.resolution, num_inference_steps=args.steps,
                  generator=paddle.Generator().manual_seed(0)).images[0]
     os.makedirs(args.output, exist_ok=True)

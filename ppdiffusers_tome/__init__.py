@@ -8,13 +8,15 @@
 
 from .api import apply_tome, install_methods, remove_tome, tome_config, tome_stats, uninstall_methods
 from .config import ToMeConfig
-from .merge import MergePlan, bipartite_soft_matching_random2d
+from .merge import DownsamplePlan, MergePlan, bipartite_soft_matching_random2d, downsample_tokens
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ToMeConfig",
     "MergePlan",
+    "DownsamplePlan",
+    "downsample_tokens",
     "apply_tome",
     "remove_tome",
     "tome_config",

@@ -1,0 +1,45 @@
+"""ToMe (or ToDo) on a transformer-only pipeline: DiT. The token grid is the patch grid (latent size / patch size),
+and every block runs at that resolution, so every block merges.
+
+    python examples/dit.py                                       # tiny DiT-style model, random weights
+    python examples/dit.py --model /path/to/DiT-XL-2-256 --steps 25 --labels 207 360
+    python examples/dit.py --method todo
+"""
+
+import argparse
+import logging
+import os
+
+import paddle
+
+import ppdiffusers_tome
+from ppdiffusers_tome.presets import load_local_pipeline
+from ppdiffusers_tome.testing import tiny_dit_pipeline
+
+logger = logging.getLogger("dit")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", help="local DiT pipeline folder; default: a tiny DiT-style pipeline")
+    parser.add_argument("--labels", type=int, nargs="+", default=[207, 360], help="ImageNet class ids")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--ratio", type=float, default=0.5)
+    parser.add_argument("--method", choices=["tome", "todo"], default="tome")
+    parser.add_argument("--output", default=os.path.join("outputs", "examples", "dit"))
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+
+    pipe = load_local_pipeline(args.model) if args.model else tiny_dit_pipeline()
+    pipe.apply_tome(ratio=args.ratio, method=args.method)
+    images = pipe(class_labels=args.labels, num_inference_steps=args.steps,
+                  generator=paddle.Generator().manual_seed(0)).images
+    os.makedirs(args.output, exist_ok=True)
+    for label, image in zip(args.labels, images):
+        image.save(os.path.join(args.output, f"{args.method}_{label}.png"))
+    logger.info("%s stats: %s", args.method, ppdiffusers_tome.tome_stats(pipe))
+    pipe.remove_tome()
+
+
+if __name__ == "__main__":
+    main()
