@@ -6,7 +6,7 @@
 >>> pipe = pipe.remove_tome()
 """
 
-from .api import apply_tome, install_methods, remove_tome, tome_config, tome_stats, uninstall_methods
+from .api import apply_tome, install_methods, remove_tome, reset_tome, tome_config, tome_stats, uninstall_methods
 from .config import ToMeConfig
 from .merge import DownsamplePlan, MergePlan, bipartite_soft_matching_random2d, downsample_tokens
 
@@ -19,6 +19,7 @@ __all__ = [
     "downsample_tokens",
     "apply_tome",
     "remove_tome",
+    "reset_tome",
     "tome_config",
     "tome_stats",
     "bipartite_soft_matching_random2d",

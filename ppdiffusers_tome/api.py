@@ -15,7 +15,15 @@ from .patch import ModelPatch, find_blocks, get_patch, remove_builtin_tome
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["apply_tome", "remove_tome", "tome_config", "tome_stats", "install_methods", "uninstall_methods"]
+__all__ = [
+    "apply_tome",
+    "remove_tome",
+    "reset_tome",
+    "tome_config",
+    "tome_stats",
+    "install_methods",
+    "uninstall_methods",
+]
 
 # components of a pipeline that never get ToMe, whatever they contain
 _SKIPPED_COMPONENTS = ("vae", "vqvae", "text_encoder", "tokenizer", "safety_checker", "feature_extractor", "image_encoder")
@@ -28,7 +36,7 @@ def _is_multi_controlnet(obj: Any) -> bool:
 def _bad_input(obj: Any) -> ValueError:
     return ValueError(
         "apply_tome/remove_tome expects a ppdiffusers DiffusionPipeline, a model (UNet2DConditionModel, "
-        f"ControlNetModel, MultiControlNetModel) or a non-empty list/tuple of models; got "
+        f"ControlNetModel, MultiControlNetModel, Transformer2DModel) or a non-empty list/tuple of models; got "
         f"{type(obj).__module__}.{type(obj).__qualname__}"
     )
 
@@ -49,7 +57,8 @@ def _expand(obj: Any, name: str, strict: bool) -> List[Tuple[str, paddle.nn.Laye
 
 def _unsupported_reason(model: paddle.nn.Layer) -> str:
     """Why ToMe cannot patch a model with no ``BasicTransformerBlock``, for the error message."""
-    blocks = sorted({type(layer).__name__ for _, layer in model.named_sublayers() if "Block" in type(layer).__name__})
+    names = {type(layer).__name__ for _, layer in model.named_sublayers() if "Block" in type(layer).__name__}
+    blocks = sorted(names, key=lambda n: ("Transformer" not in n and "Attention" not in n, n))  # relevant ones first
     joint = [b for b in blocks if "Joint" in b]
     if joint:
         return (
@@ -60,7 +69,8 @@ def _unsupported_reason(model: paddle.nn.Layer) -> str:
     if blocks:
         return (
             f"{type(model).__name__} is built from {', '.join(blocks[:4])}, not ppdiffusers' BasicTransformerBlock "
-            "(UNets, ControlNets, and DiT / PixArt-alpha Transformer2DModel); it is not supported"
+            "(as in UNet2DConditionModel, ControlNetModel and the DiT / PixArt-alpha Transformer2DModel); it is "
+            "not supported"
         )
     return f"{type(model).__name__} has no transformer blocks (BasicTransformerBlock)"
 
@@ -200,6 +210,28 @@ def remove_tome(obj: Any) -> Any:
     """
     for _, model in _targets(obj, for_apply=False):
         _unpatch(model)
+    return obj
+
+
+def reset_tome(obj: Any) -> Any:
+    """Forget what the patches in ``obj`` remember between calls: cached plans (``recompute_every``), the step
+    count and the counters of :func:`tome_stats`. The settings stay. Returns ``obj``.
+
+    A new generation is detected on its own when the timestep goes back up. Call this between two generations
+    when that may not happen, for example after an interrupted run followed by an img2img run that starts at a
+    lower noise level.
+
+    Example:
+        >>> import ppdiffusers_tome
+        >>> from ppdiffusers_tome.testing import tiny_unet
+        >>> unet = ppdiffusers_tome.apply_tome(tiny_unet(), recompute_every=5)
+        >>> ppdiffusers_tome.reset_tome(unet) is unet
+        True
+    """
+    for _, model in _targets(obj, for_apply=False):
+        patch = get_patch(model)
+        if patch is not None:
+            patch.state.reset()
     return obj
 
 

@@ -322,13 +322,23 @@ def method_list(settings: BenchSettings) -> List[Method]:
             methods.extend(Method(name, float(r)) for r in settings.ratios)
     for text in settings.variants:
         variant = parse_variant(text)
+        across_steps = [k for k in ("recompute_every", "ratio") if k in variant.options and not
+                        (k == "ratio" and isinstance(variant.options[k], (int, float)))]
+        if settings.unet_only and across_steps:
+            raise ValueError(
+                f"--variants {text!r}: {' and '.join(across_steps)} act across denoising steps, which one denoiser "
+                "forward (--unet-only) does not have; measure it with pipeline calls"
+            )
         if variant.name.startswith("todo") or "ratio" in variant.options:
             methods.append(variant)
         else:
             methods.extend(Method(variant.name, float(r), dict(variant.options)) for r in settings.ratios)
     if not any(m.name == "vanilla" for m in methods):
         methods.insert(0, Method("vanilla"))  # every ratio is against vanilla
-    return methods
+    unique: Dict[str, Method] = {}
+    for method in methods:  # one cell per label: a variant equal to a plain method is measured once
+        unique.setdefault(method.label, method)
+    return list(unique.values())
 
 
 class Runner:
@@ -511,7 +521,7 @@ def time_split(pipe, settings: BenchSettings, size: int, batch: int, method: Met
     try:
         configure(pipe, method, settings.max_downsample)
         models = [model for _, model in api._targets(pipe, for_apply=False)]
-        ours = method.name in ("tome", "tome-efficient", "bound", "todo")  # ToMe's hooks sit on attn1
+        ours = method.name in ("tome", "tome-efficient", "bound", "todo", "todo-efficient")  # hooks on attn1
         for layer in [block.attn1 for model in models for _, block in find_blocks(model)]:
             handles.append(layer.register_forward_pre_hook(inner_pre))
             handles.append(layer.register_forward_post_hook(inner_post, prepend=True))
@@ -600,8 +610,9 @@ def format_details(cells: List[Cell]) -> str:
 
 def pareto_front(cells: List[Cell]) -> List[Cell]:
     """The cells (of one resolution and batch) that no other cell beats on both speed-up and fidelity: PSNR of
-    the image when there is one, else the relative L2 of the first noise prediction."""
-    ok = [c for c in cells if c.status == "ok" and c.speedup is not None]
+    the image when there is one, else the relative L2 of the first noise prediction. The ``bound`` (a speed
+    reference that ruins images) takes no part."""
+    ok = [c for c in cells if c.status == "ok" and c.speedup is not None and c.method != "bound"]
 
     def fidelity(c: Cell) -> float:
         if c.psnr_db is not None:
@@ -630,7 +641,8 @@ def format_pareto(cells: List[Cell]) -> str:
         groups.setdefault((cell.resolution, cell.batch), []).append(cell)
     for (size, batch), group in groups.items():
         front = {id(c) for c in pareto_front(group)}
-        ranked = sorted((c for c in group if c.status == "ok" and c.speedup is not None), key=lambda c: -c.speedup)
+        ranked = sorted((c for c in group if c.status == "ok" and c.speedup is not None and c.method != "bound"),
+                        key=lambda c: -c.speedup)
         for c in ranked:
             rows.append([
                 f"{size}x{size}", str(batch), c.label, f"{c.speedup:.2f}x",

@@ -79,7 +79,8 @@ class ToMeConfig:
         downsample_mode: ToDo's ``"nearest"`` (top-left token of each cell) or ``"average"`` (mean of the cell).
         recompute_every: reuse a block's partition and matching for this many consecutive denoising steps (1 =
             recompute at every step, as the paper does), or a list of the step indices (0-based) at which to
-            recompute; other steps reuse the latest plan. Merging always uses the current tokens.
+            recompute; other steps reuse the latest plan. Merging always uses the current tokens; a reused plan
+            keeps the number of merged tokens of its step (a ratio schedule moves at the recompute steps).
 
     >>> ToMeConfig(ratio=0.3).tokens_to_merge(4096)
     1228
@@ -126,10 +127,10 @@ class ToMeConfig:
             raise ValueError(f"downsample_factor must be an integer in [2, 8]; got {self.downsample_factor!r}")
         if self.downsample_mode not in DOWNSAMPLE_MODES:
             raise ValueError(f"downsample_mode must be one of {DOWNSAMPLE_MODES}; got {self.downsample_mode!r}")
-        if self.method == "todo" and (self.merge_crossattn or self.merge_mlp):
+        if self.method == "todo" and (self.merge_crossattn or self.merge_mlp or not self.merge_attn):
             raise ValueError(
-                "method='todo' downsamples the keys and values of self-attention only; merge_crossattn and "
-                "merge_mlp must be False with it"
+                "method='todo' downsamples the keys and values of self-attention only; with it merge_attn must be "
+                "True and merge_crossattn and merge_mlp False"
             )
         object.__setattr__(self, "recompute_every", self._checked_recompute(self.recompute_every))
 

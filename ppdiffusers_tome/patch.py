@@ -165,7 +165,7 @@ class _CallContext(threading.local):
         self.slot = 0  # which call at this step this is (the unprompted half of split guidance is slot 1)
         self.last_key: Any = None
         self.last_progress: Optional[float] = None
-        self.cache: Dict[str, Tuple[Any, int]] = {}  # "<block>/<slot>" -> (plan, step it was computed at)
+        self.cache: Dict[str, Tuple[Any, int, Tuple[int, int]]] = {}  # "<block>/<slot>" -> (plan, step, grid)
 
 
 class ToMeState:
@@ -183,7 +183,6 @@ class ToMeState:
         tome = config.method == "tome"
         # what the hooks need to know about the timestep (reading it is a host sync, and breaks static graphs)
         self.needs_timestep = tome and (config.use_rand or config.is_scheduled or config.caches_plans)
-        self.needs_progress = tome and config.is_scheduled
         self.reset()
 
     def reset(self) -> None:
@@ -194,11 +193,12 @@ class ToMeState:
         self.plans_computed = 0
         self.plans_reused = 0
         self.warned_no_merge = False
+        self.warned_timestep_range = False
 
     def __deepcopy__(self, memo) -> "ToMeState":
         # a copied model starts with the same counters and no call in flight (thread-locals cannot be copied)
         twin = ToMeState(self.config, self.train_timesteps)
-        for name in ("calls", "merges", "plans_computed", "plans_reused", "warned_no_merge"):
+        for name in ("calls", "merges", "plans_computed", "plans_reused", "warned_no_merge", "warned_timestep_range"):
             setattr(twin, name, getattr(self, name))
         memo[id(self)] = twin
         return twin
@@ -245,18 +245,33 @@ class ToMeState:
         call.timestep_key = None if values is None else tuple(int(v) for v in values.view(np.uint64))
         progress = None
         if values is not None:  # the noisiest item of the batch decides
-            progress = min(max(1.0 - float(values[-1]) / self.train_timesteps, 0.0), 1.0)
+            progress = 1.0 - float(values[-1]) / self.train_timesteps
+            if not 0.0 <= progress <= 1.0 and self.config.is_scheduled and not self.warned_timestep_range:
+                self.warned_timestep_range = True
+                warnings.warn(
+                    f"ToMe's ratio schedule got timestep {float(values[-1]):g}, outside [0, {self.train_timesteps}] "
+                    "(num_train_timesteps of the pipeline's scheduler, 1000 for a bare model): the progress "
+                    "1 - t/T is clipped to [0, 1]. Schedulers with continuous or sigma-based timesteps (EDM) do "
+                    "not fit a ratio schedule; use a constant ratio with them.",
+                    UserWarning,
+                    stacklevel=3,
+                )
+            progress = min(max(progress, 0.0), 1.0)
         call.progress = 0.0 if progress is None else progress
         self._track_step(call, progress)
 
+    MAX_SLOTS = 8  # calls at one timestep beyond this start a new generation (bounds the plan cache)
+
     def _track_step(self, call: _CallContext, progress: Optional[float]) -> None:
         """Count denoising steps: calls at the same timestep are one step (slots 0, 1, ...); a timestep noisier than
-        the last one starts a new generation, which forgets the cached plans."""
+        the last one starts a new generation, which forgets the cached plans. So does a run of more than
+        ``MAX_SLOTS`` calls at one timestep (a one-step model called again and again)."""
         key = call.timestep_key if call.timestep_key is not None else ("call", call.number)
-        if call.last_key is not None and key == call.last_key:
+        if call.last_key is not None and key == call.last_key and call.slot + 1 < self.MAX_SLOTS:
             call.slot += 1
             return
         restart = progress is not None and call.last_progress is not None and progress < call.last_progress
+        restart = restart or (call.last_key is not None and key == call.last_key)
         if call.last_key is None or restart:
             call.step = 0
             call.cache.clear()
@@ -274,22 +289,24 @@ class ToMeState:
         call.latent_hw = None
         call.timestep_key = None
 
-    def cached_plan(self, block_index: int, batch: int, num_tokens: int, r: int) -> Optional[MergePlan]:
-        """The plan this block may reuse at the current step under ``recompute_every``, or None."""
+    def cached_plan(self, block_index: int, batch: int, grid_h: int, grid_w: int) -> Optional[MergePlan]:
+        """The plan this block may reuse at the current step under ``recompute_every``, or None. A reused plan
+        keeps the ``r`` of the step it was computed at (with a ratio schedule, ``r`` follows the schedule at the
+        recompute steps)."""
         call, every = self.call, self.config.recompute_every
         entry = call.cache.get(f"{block_index}/{call.slot}")
         if entry is None:
             return None
-        plan, step = entry
-        if plan.batch_size != batch or plan.num_tokens != num_tokens or plan.r != r:
+        plan, step, grid = entry
+        if plan.batch_size != batch or grid != (grid_h, grid_w):
             return None
         if isinstance(every, tuple):
             return None if call.step in every else plan
         return plan if call.step - step < every else None
 
-    def store_plan(self, block_index: int, plan: MergePlan) -> None:
+    def store_plan(self, block_index: int, plan: MergePlan, grid_h: int, grid_w: int) -> None:
         call = self.call
-        call.cache[f"{block_index}/{call.slot}"] = (plan, call.step)
+        call.cache[f"{block_index}/{call.slot}"] = (plan, call.step, (grid_h, grid_w))
 
     def generator_for(self, block_index: int, grid_h: int, grid_w: int) -> np.random.Generator:
         key_part = self.call.timestep_key
@@ -500,15 +517,23 @@ class ModelPatch:
     def _after_model(self, layer, args, kwargs, output):
         state, config = self.state, self.config
         state.end_call()
-        if state.merged_blocks == 0 and not self.auto_level and not state.warned_no_merge:
-            level = state.finest_level
-            if level is not None and level > config.max_downsample:
-                state.warned_no_merge = True
+        if state.merged_blocks == 0 and self.fixed_ratio != 0 and not state.warned_no_merge and self.blocks:
+            level, name = state.finest_level, "ToDo" if self.todo else "ToMe"
+            message = None
+            if level is None:
                 message = (
-                    f"ToMe merged no tokens in {type(self.model).__name__}: its highest-resolution transformer "
+                    f"{name} changed nothing in {type(self.model).__name__}: no transformer block's tokens form the "
+                    f"{'patch' if self.patch_size else 'latent'} grid of the input (a layout this package does "
+                    "not know, such as video frames folded into the tokens)."
+                )
+            elif not self.auto_level and level > config.max_downsample:
+                message = (
+                    f"{name} merged no tokens in {type(self.model).__name__}: its highest-resolution transformer "
                     f"blocks run at {level}x downsampling, above max_downsample={config.max_downsample}. "
                     f"Use max_downsample={level} (or 'auto') to merge there."
                 )
+            if message is not None:
+                state.warned_no_merge = True
                 warnings.warn(message, UserWarning, stacklevel=2)
         return None
 
@@ -549,12 +574,12 @@ class ModelPatch:
             return None
         plan = None
         if self.caches:
-            plan = state.cached_plan(block_index, hidden.shape[0], num_tokens, r)
+            plan = state.cached_plan(block_index, hidden.shape[0], grid_h, grid_w)
         if plan is None:
             plan = self.make_plan(block_index, hidden, grid_h, grid_w, r)
             state.plans_computed += 1
             if self.caches:
-                state.store_plan(block_index, plan)
+                state.store_plan(block_index, plan, grid_h, grid_w)
         else:
             state.plans_reused += 1
         if not plan.is_identity:

@@ -178,3 +178,44 @@ def test_time_split_cleans_up_when_it_fails(monkeypatch):
         bench.time_split(pipe, settings, 32, 1, bench.Method("tome", 0.5))
     after = [(len(m._forward_pre_hooks), len(m._forward_post_hooks)) for m in pipe.unet.sublayers(include_self=True)]
     assert after == before and get_patch(pipe.unet) is None
+
+
+def test_variants_expand_over_ratios_validate_and_deduplicate():
+    settings = bench.BenchSettings(
+        methods=("vanilla", "tome", "todo"), ratios=(0.3, 0.5),
+        variants=("tome:recompute_every=5", "tome:ratio=(0.6,0.2)", "todo:downsample_factor=2",
+                  "todo:downsample_factor=4,downsample_mode=average"),
+    )
+    labels = [m.label for m in bench.method_list(settings)]
+    assert labels == ["vanilla", "tome@0.3", "tome@0.5", "todo", "tome@0.3[k=5]", "tome@0.5[k=5]",
+                      "tome[ratio=0.6-0.2]", "todo[f=2]", "todo[f=4,mode=average]"]
+    with pytest.raises(ValueError, match="downsample_factor must be an integer in"):
+        bench.parse_variant("todo:downsample_factor=16")
+    with pytest.raises(ValueError, match="unknown option 'speed'"):
+        bench.parse_variant("tome:speed=2")
+    with pytest.raises(ValueError, match="before ':' must be tome"):
+        bench.parse_variant("bound:ratio=0.5")
+    with pytest.raises(ValueError, match="act across denoising steps"):
+        bench.method_list(bench.BenchSettings(unet_only=True, variants=("tome:recompute_every=2",)))
+
+
+def test_pareto_front_keeps_only_unbeaten_configurations():
+    def cell(label, speedup, psnr, method="tome"):
+        return bench.Cell(512, 1, method, 0.5, label=label, speedup=speedup, psnr_db=psnr)
+
+    cells = [cell("vanilla", 1.0, float("inf"), "vanilla"), cell("a", 1.5, 30.0), cell("b", 1.4, 25.0),
+             cell("c", 2.0, 20.0), cell("bound", 3.0, 5.0, "bound")]
+    assert {c.label for c in bench.pareto_front(cells)} == {"vanilla", "a", "c"}
+    table = bench.format_pareto(cells)
+    assert "bound" not in table and table.index("| c ") < table.index("| a ")  # fastest first
+
+
+def test_bench_measures_cache_reuse_in_pipeline_mode(tmp_path):
+    args = ["bench", "--arch", "tiny", "--resolutions", "32", "--steps", "4", "--repeats", "1", "--warmup", "0",
+            "--threads", "1", "--methods", "vanilla", "tome", "todo", "--variants", "tome:recompute_every=4",
+            "--no-time-split", "--no-plots", "--output", str(tmp_path)]
+    assert main(args) == 0
+    cells = {c["label"]: c for c in load(tmp_path)["cells"]}
+    assert cells["tome@0.5[k=4]"]["plans_reused_share"] == pytest.approx(0.75)  # steps 1-3 reuse step 0's plans
+    assert cells["tome@0.5"]["plans_reused_share"] == 0.0 and cells["todo"]["plans_reused_share"] is None
+    assert cells["tome@0.5[k=4]"]["options"] == {"recompute_every": 4} and 5 < cells["todo"]["psnr_db"] < 100

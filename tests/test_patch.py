@@ -648,3 +648,62 @@ def test_installing_over_an_existing_patch_leaves_no_orphan_hooks():
     assert hook_counts(once) == hook_counts(twice) and get_patch(twice) is second and not first.blocks
     second.remove()
     assert hook_counts(twice) == hook_counts(tiny_unet())
+
+
+def test_a_cached_plan_keeps_its_r_under_a_ratio_schedule_and_is_reused():
+    unet = tiny_unet()
+    sample, _, context = unet_inputs(unet, batch=1)
+    ppdiffusers_tome.apply_tome(unet, ratio=(0.6, 0.2), recompute_every=2)
+    at = lambda t: dict(sample=sample, timestep=paddle.to_tensor([t]), encoder_hidden_states=context)  # noqa: E731
+    plans = plans_seen(unet, [at(t) for t in (999, 750, 500)])
+    assert plans[1] is plans[0] and plans[2] is not plans[0]
+    assert [p.r for p in plans] == [int(256 * (0.6 - 0.4 * 0.001)), int(256 * (0.6 - 0.4 * 0.001)), int(256 * 0.4)]
+
+
+def test_plan_cache_stays_bounded_when_every_call_has_the_same_timestep():
+    unet = tiny_unet()
+    sample, t, context = unet_inputs(unet, batch=1)
+    ppdiffusers_tome.apply_tome(unet, ratio=0.5, recompute_every=4)
+    call = dict(sample=sample, timestep=t[:1], encoder_hidden_states=context)  # a one-step model, called 20 times
+    plans_seen(unet, [call] * 20)
+    cache = get_patch(unet).state.call.cache
+    assert 0 < len(cache) <= 3 * get_patch(unet).state.MAX_SLOTS
+
+
+def test_a_cached_plan_is_not_reused_on_another_grid_and_reset_tome_forgets_it():
+    unet = tiny_unet()
+    ppdiffusers_tome.apply_tome(unet, ratio=0.5, recompute_every=10)
+    wide = unet_inputs(unet, batch=1, hw=(16, 8))
+    tall = unet_inputs(unet, batch=1, hw=(8, 16))
+    calls = [dict(sample=s, timestep=paddle.to_tensor([t]), encoder_hidden_states=c)
+             for (s, _, c), t in ((wide, 900), (tall, 800), (tall, 700))]
+    first, other_grid, same_grid = plans_seen(unet, calls)
+    assert other_grid is not first and same_grid is other_grid
+    ppdiffusers_tome.reset_tome(unet)
+    assert ppdiffusers_tome.tome_stats(unet)["UNet2DConditionModel"]["plans_computed"] == 0
+    (again,) = plans_seen(unet, calls[2:])
+    assert again is not same_grid  # nothing cached any more
+
+
+def test_a_ratio_schedule_warns_once_about_timesteps_outside_the_training_range():
+    unet = tiny_unet()
+    sample, _, context = unet_inputs(unet, batch=1)
+    ppdiffusers_tome.apply_tome(unet, ratio=(0.6, 0.2))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plans = plans_seen(unet, [dict(sample=sample, timestep=paddle.to_tensor([t]), encoder_hidden_states=context)
+                                  for t in (-3.5, 1200.0)])
+    messages = [str(w.message) for w in caught if "outside [0, 1000]" in str(w.message)]
+    assert len(messages) == 1 and "EDM" in messages[0]
+    assert [p.r for p in plans] == [int(256 * 0.2), int(256 * 0.6)]  # clipped to the ends of the schedule
+
+
+def test_ratio_zero_never_warns_about_merging_nothing():
+    unet = tiny_sdxl_unet()
+    args, kwargs = sdxl_call(unet)
+    ppdiffusers_tome.apply_tome(unet, ratio=0.0, max_downsample=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with paddle.no_grad():
+            unet(*args, **kwargs)
+    assert not [w for w in caught if "merged no tokens" in str(w.message)]
