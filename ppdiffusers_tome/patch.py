@@ -14,6 +14,9 @@ The token grid of a block comes from the latent size for UNets and ControlNets (
 downsampling ``d``) and from the patch embedding for transformer-only models (``H/p x W/p`` for DiT and PixArt-alpha
 ``Transformer2DModel`` with patch size ``p``, whose blocks all count as level 1).
 
+What one model remembers between calls lives in :class:`ToMeState`: the step count and the cached plans of
+``recompute_every`` (per thread), and counters. A ratio schedule is evaluated from the timestep of each call.
+
 Removing the patch removes exactly those hooks and the one attribute it set, so the model's objects, parameters and
 state dict are those of the untouched model.
 """
