@@ -10,7 +10,7 @@ from .api import apply_tome, install_methods, remove_tome, reset_tome, tome_conf
 from .config import ToMeConfig
 from .merge import DownsamplePlan, MergePlan, bipartite_soft_matching_random2d, downsample_tokens
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "ToMeConfig",
