@@ -706,6 +706,9 @@ def write_plots(cells: List[Cell], split: Dict[str, Dict[str, float]], folder: s
         size = rows[0].resolution if rows else 0
         save(fig, ax, "memory_vs_ratio.png", f"ratio ({size}px)", "peak memory added by the call (MiB)")
 
+    if len({c.label for c in ok if c.method != "bound"}) > 2:
+        paths.extend(write_pareto_plot(cells, folder))
+
     if split:
         fig, ax = plt.subplots(figsize=(5, 3.5))
         names = list(split)
@@ -716,6 +719,64 @@ def write_plots(cells: List[Cell], split: Dict[str, Dict[str, float]], folder: s
             bottom += values
         save(fig, ax, "time_split.png", None, "seconds per UNet forward")
     return paths
+
+
+def write_pareto_plot(cells: List[Cell], folder: str) -> List[str]:
+    """Speed-up against fidelity (PSNR when the cells have images, else relative L2), one point per
+    configuration and one file per resolution x batch, the Pareto front joined by a line; returns the paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths: List[str] = []
+    groups: Dict[Tuple[int, int], List[Cell]] = {}
+    for cell in cells:
+        if cell.status == "ok" and cell.speedup is not None and cell.method != "bound":
+            groups.setdefault((cell.resolution, cell.batch), []).append(cell)
+    for (size, batch), group in groups.items():
+        use_psnr = all(c.psnr_db is not None for c in group)
+        finite = [c.psnr_db for c in group if use_psnr and c.psnr_db != float("inf")]
+        top = (max(finite) + 3.0) if finite else 1.0
+
+        def y(c: Cell) -> float:
+            if use_psnr:
+                return top if c.psnr_db == float("inf") else c.psnr_db
+            return c.rel_l2 if c.rel_l2 is not None else float("nan")
+
+        fig, ax = plt.subplots(figsize=(6, 4))
+        front = sorted(pareto_front(group), key=lambda c: c.speedup)
+        ax.plot([c.speedup for c in front], [y(c) for c in front], color="0.7", zorder=1, label="Pareto front")
+        for c in group:
+            colour = "tab:green" if c.method.startswith("todo") else "black" if c.method == "vanilla" else "tab:blue"
+            ax.scatter([c.speedup], [y(c)], color=colour, zorder=2)
+            ax.annotate(c.label, (c.speedup, y(c)), fontsize=7, xytext=(4, 3), textcoords="offset points")
+        ax.set_xlabel("speed-up vs vanilla")
+        ax.set_ylabel("PSNR vs vanilla (dB; vanilla drawn at the top)" if use_psnr else "relative L2 to vanilla")
+        if not use_psnr:
+            ax.invert_yaxis()  # closer to vanilla is up in both kinds of plot
+        ax.set_title(f"{size}x{size}, batch {batch}", fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="lower left")
+        fig.tight_layout()
+        path = os.path.join(folder, f"pareto_{size}_b{batch}.png")
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def load_cells(data: Dict[str, Any]) -> List[Cell]:
+    """The cells of a ``results.json`` written by :func:`save_json`, as :class:`Cell` objects again."""
+    fields = set(Cell.__dataclass_fields__)
+    cells = []
+    for raw in data["cells"]:
+        values = {k: v for k, v in raw.items() if k in fields}
+        for key in ("psnr_db", "rel_l2", "speedup"):
+            if isinstance(values.get(key), str):  # save_json writes inf and nan as strings
+                values[key] = float(values[key])
+        cells.append(Cell(**values))
+    return cells
 
 
 def record(cells: List[Cell], settings: BenchSettings, source: str, threads: int, dtype: str,

@@ -1,6 +1,7 @@
 """The benchmark engine (ppdiffusers_tome/bench.py) and the ``bench`` command on tiny presets."""
 
 import json
+import os
 
 import numpy as np
 import paddle
@@ -62,7 +63,8 @@ def test_bench_fills_every_cell_and_writes_json_and_plots(tmp_path, capsys):
     for path in data["plots"]:
         with Image.open(path) as png:
             png.verify()
-    assert len(data["plots"]) == 3
+    pareto = sorted(os.path.basename(p) for p in data["plots"] if "pareto" in p)
+    assert len(data["plots"]) == 5 and pareto == ["pareto_32_b1.png", "pareto_32_b2.png"]
     table = out.split("seconds per image (speed-up vs vanilla):")[1].split("\n\n")[0]
     assert table.count("32x32") == 2 and "n/a" in table and "tome@0.5" in table and "builtin@0.3" in table
     pareto = out.split("Pareto: no other configuration is both faster and closer):")[1]
@@ -219,3 +221,18 @@ def test_bench_measures_cache_reuse_in_pipeline_mode(tmp_path):
     assert cells["tome@0.5[k=4]"]["plans_reused_share"] == pytest.approx(0.75)  # steps 1-3 reuse step 0's plans
     assert cells["tome@0.5"]["plans_reused_share"] == 0.0 and cells["todo"]["plans_reused_share"] is None
     assert cells["tome@0.5[k=4]"]["options"] == {"recompute_every": 4} and 5 < cells["todo"]["psnr_db"] < 100
+
+
+def test_results_json_round_trips_to_cells_and_draws_a_pareto_plot(tmp_path):
+    args = ["bench", "--arch", "tiny", "--resolutions", "32", "--steps", "2", "--repeats", "1", "--warmup", "0",
+            "--threads", "1", "--methods", "vanilla", "tome", "todo", "--no-time-split", "--output", str(tmp_path)]
+    assert main(args) == 0
+    data = load(tmp_path)
+    cells = bench.load_cells(data)
+    assert [c.label for c in cells] == ["vanilla", "tome@0.5", "todo"] and cells[0].psnr_db == float("inf")
+    assert str(tmp_path / "pareto_32_b1.png") in data["plots"]
+    (tmp_path / "again").mkdir()
+    paths = bench.write_pareto_plot(cells, str(tmp_path / "again"))
+    assert len(paths) == 1
+    with Image.open(paths[0]) as png:
+        png.verify()
