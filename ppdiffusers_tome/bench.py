@@ -45,7 +45,7 @@ logger = logging.getLogger(__name__)
 
 ALL_METHODS = ("vanilla", "tome", "tome-efficient", "todo", "todo-efficient", "builtin", "bound")
 _RATIO_FREE = ("vanilla", "todo", "todo-efficient")  # methods that do not run once per --ratios value
-_SHORT_OPTION = {"downsample_factor": "f", "downsample_mode": "mode", "recompute_every": "k"}
+_SHORT_OPTION = {"downsample_factor": "f", "downsample_mode": "mode", "recompute_every": "k", "max_downsample": "level"}
 
 
 # the zero-overhead bound ------------------------------------------------------------------------------------------
@@ -128,8 +128,8 @@ def parse_variant(text: str) -> Method:
         key = key.strip()
         if not eq or not key:
             raise ValueError(f"--variants: expected option=value in {text!r}; got {item!r}")
-        if key in ("method", "max_downsample") or key not in ToMeConfig.__dataclass_fields__:
-            allowed = sorted(set(ToMeConfig.__dataclass_fields__) - {"method", "max_downsample"})
+        if key == "method" or key not in ToMeConfig.__dataclass_fields__:
+            allowed = sorted(set(ToMeConfig.__dataclass_fields__) - {"method"})
             raise ValueError(f"--variants: unknown option {key!r} in {text!r}; options are {', '.join(allowed)}")
         try:
             options[key] = ast.literal_eval(value.strip())
