@@ -195,7 +195,8 @@ def test_variants_expand_over_ratios_validate_and_deduplicate():
         bench.parse_variant("todo:downsample_factor=16")
     with pytest.raises(ValueError, match="unknown option 'speed'"):
         bench.parse_variant("tome:speed=2")
-    assert bench.parse_variant("tome:max_downsample=1").label == "tome[level=1]"  # e.g. SDXL's old default
+    old_default = bench.BenchSettings(methods=("vanilla",), ratios=(0.5,), variants=("tome:max_downsample=1",))
+    assert [m.label for m in bench.method_list(old_default)] == ["vanilla", "tome@0.5[level=1]"]
     with pytest.raises(ValueError, match="before ':' must be tome"):
         bench.parse_variant("bound:ratio=0.5")
     with pytest.raises(ValueError, match="act across denoising steps"):
