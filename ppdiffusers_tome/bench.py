@@ -45,6 +45,7 @@ logger = logging.getLogger(__name__)
 
 ALL_METHODS = ("vanilla", "tome", "tome-efficient", "todo", "todo-efficient", "builtin", "bound")
 _RATIO_FREE = ("vanilla", "todo", "todo-efficient")  # methods that do not run once per --ratios value
+_APPLIED = ("tome", "tome-efficient", "todo", "todo-efficient")  # methods that are this package's apply_tome
 _SHORT_OPTION = {"downsample_factor": "f", "downsample_mode": "mode", "recompute_every": "k", "max_downsample": "level"}
 
 
@@ -120,7 +121,7 @@ def parse_variant(text: str) -> Method:
     """
     name, _, rest = text.partition(":")
     name = name.strip()
-    if name not in ("tome", "tome-efficient", "todo", "todo-efficient"):
+    if name not in _APPLIED:
         raise ValueError(f"--variants: the method before ':' must be tome, tome-efficient, todo or todo-efficient; got {text!r}")
     options: Dict[str, Any] = {}
     for item in _split_top_level(rest):
@@ -170,7 +171,7 @@ def configure(pipe, method: Method, max_downsample: Any) -> None:
     _set_efficient_attention(pipe, False)
     if method.name == "vanilla":
         return
-    if method.name in ("tome", "tome-efficient", "todo", "todo-efficient"):
+    if method.name in _APPLIED:
         api.apply_tome(pipe, **_config_kwargs(method, max_downsample))
         if method.name.endswith("-efficient"):
             _set_efficient_attention(pipe, True)
@@ -521,7 +522,7 @@ def time_split(pipe, settings: BenchSettings, size: int, batch: int, method: Met
     try:
         configure(pipe, method, settings.max_downsample)
         models = [model for _, model in api._targets(pipe, for_apply=False)]
-        ours = method.name in ("tome", "tome-efficient", "bound", "todo", "todo-efficient")  # hooks on attn1
+        ours = method.name in _APPLIED + ("bound",)  # this package's hooks sit on attn1
         for layer in [block.attn1 for model in models for _, block in find_blocks(model)]:
             handles.append(layer.register_forward_pre_hook(inner_pre))
             handles.append(layer.register_forward_post_hook(inner_post, prepend=True))

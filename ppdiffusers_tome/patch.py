@@ -35,7 +35,7 @@ import paddle
 from ppdiffusers.models.attention import BasicTransformerBlock
 
 from .config import ToMeConfig, ratio_at, tokens_to_merge
-from .merge import DownsamplePlan, MergePlan, bipartite_soft_matching_random2d, find_downsample
+from .merge import DownsamplePlan, MergePlan, bipartite_soft_matching_random2d, find_downsample, max_ratio
 
 logger = logging.getLogger(__name__)
 
@@ -126,12 +126,6 @@ def _timestep_values(timestep: Any) -> Optional[np.ndarray]:
             return None
     values = np.unique(values.reshape(-1))
     return values if values.size else None
-
-
-def _timestep_bits(timestep: Any) -> Optional[Tuple[int, ...]]:
-    """A hashable, exact key for the timestep(s) of a call, or None when there is none."""
-    values = _timestep_values(timestep)
-    return None if values is None else tuple(int(v) for v in values.view(np.uint64))
 
 
 def _take(table: Dict, key: Any) -> Any:
@@ -591,7 +585,7 @@ class ModelPatch:
 
     def scheduled_ratio(self, progress: float) -> float:
         ratio = ratio_at(self.config.ratio, progress)
-        limit = 1.0 - 1.0 / (self.config.sx * self.config.sy)
+        limit = max_ratio(self.config.sx, self.config.sy)
         if isinstance(ratio, bool) or not isinstance(ratio, (int, float, np.floating)) or not (
             ratio == 0 or 0 < ratio < limit
         ):

@@ -107,17 +107,20 @@ def test_chunked_feed_forward_is_left_alone():
     assert np.abs(whole - chunked).max() > 0  # merging was skipped for the chunked ff only
 
 
-def dst_positions_seen(unet, calls):
-    """Run ``calls`` (each a kwargs dict for the UNet) and return the dst positions of the first block's plan."""
-    patch = get_patch(unet)
-    seen = []
-    first_attn = find_blocks(unet)[0][1].attn1
-    handle = first_attn.register_forward_pre_hook(lambda layer, args: seen.append(patch.blocks[0].plan.dst_pos.numpy()))
+def plans_seen(unet, calls):
+    """Run ``calls`` (each a kwargs dict for the UNet) and return the first block's plan object in each."""
+    patch, seen = get_patch(unet), []
+    handle = find_blocks(unet)[0][1].attn1.register_forward_pre_hook(lambda layer, args: seen.append(patch.blocks[0].plan))
     with paddle.no_grad():
         for kwargs in calls:
             unet(**kwargs)
     handle.remove()
     return seen
+
+
+def dst_positions_seen(unet, calls):
+    """The dst positions of the first block's plan in each of ``calls``."""
+    return [plan.dst_pos.numpy() for plan in plans_seen(unet, calls)]
 
 
 def test_random_partition_depends_on_timestep_not_on_call_history():
@@ -341,15 +344,6 @@ def test_todo_composes_with_the_efficient_attention_processor(monkeypatch):
 
 
 # plan caching -------------------------------------------------------------------------------------------------------
-def plans_seen(unet, calls):
-    """Run ``calls`` (UNet kwargs) and return the first block's plan object in each."""
-    patch, seen = get_patch(unet), []
-    handle = find_blocks(unet)[0][1].attn1.register_forward_pre_hook(lambda layer, args: seen.append(patch.blocks[0].plan))
-    with paddle.no_grad():
-        for kwargs in calls:
-            unet(**kwargs)
-    handle.remove()
-    return seen
 
 
 def test_recompute_every_reuses_a_blocks_plan_for_k_steps_then_recomputes():
