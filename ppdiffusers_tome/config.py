@@ -9,15 +9,28 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Dict, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
+
+import numpy as np
 
 from .merge import DOWNSAMPLE_MODES, max_ratio
 
-__all__ = ["ToMeConfig", "ALLOWED_MAX_DOWNSAMPLE", "METHODS", "RatioSpec", "ratio_at", "tokens_to_merge"]
+__all__ = [
+    "ToMeConfig",
+    "ALLOWED_MAX_DOWNSAMPLE",
+    "METHODS",
+    "MAX_STRIDE",
+    "RatioSpec",
+    "ratio_at",
+    "tokens_to_merge",
+]
 
 ALLOWED_MAX_DOWNSAMPLE = (1, 2, 4, 8)
 METHODS = ("tome", "todo")
 DOWNSAMPLE_FACTORS = range(2, 9)
+# Largest sx/sy. A 64 x 64 cell already covers the whole 1x latent grid of a 512 px image (one dst token, a ratio up
+# to 0.9997); larger strides change nothing useful and only make the partition's index arrays huge.
+MAX_STRIDE = 64
 _SCHEDULE_PROBES = 11  # a ratio callable is checked at progress 0, 0.1, ..., 1 when the config is made
 
 RatioSpec = Union[float, Tuple[float, float], Callable[[float], float]]
@@ -48,7 +61,31 @@ def ratio_at(ratio: RatioSpec, progress: float) -> float:
 
 
 def _is_int(value: Any) -> bool:
+    """A Python or numpy integer, not a bool."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _as_bool(value: Any) -> Optional[bool]:
+    """``value`` as a plain bool if it is a Python or numpy bool, else None (0/1 and tensors are not bools)."""
+    return bool(value) if isinstance(value, (bool, np.bool_)) else None
+
+
+def _as_choice(value: Any, choices: Sequence[str]) -> Optional[str]:
+    """``value`` as a plain str if it is one of ``choices`` (no comparison with arrays or tensors), else None."""
+    return str(value) if isinstance(value, str) and value in choices else None
+
+
+def _shown(value: Any) -> str:
+    """``repr(value)`` on one line and at most ~100 characters, plus a hint for arrays and tensors, for messages."""
+    try:
+        text = " ".join(repr(value).split())
+    except Exception:  # noqa: BLE001 - a broken __repr__ must not hide the real error
+        text = f"<{type(value).__name__}>"
+    if len(text) > 100:
+        text = text[:97] + "..."
+    if hasattr(value, "shape") and hasattr(value, "dtype"):  # numpy array, paddle Tensor
+        text += " (pass a plain Python value, not an array or a Tensor)"
+    return text
 
 
 @dataclass(frozen=True)
@@ -64,7 +101,8 @@ class ToMeConfig:
         max_downsample: merge only in blocks whose downsampling factor relative to the latent is at most this;
             one of 1, 2, 4, 8, or ``"auto"`` (the default): the highest-resolution level that actually has
             transformer blocks (level 1 on SD 1.x/2.x and ControlNet, level 2 on SDXL).
-        sx, sy: the dst grid stride: one dst token per ``sy x sx`` cell (integers >= 1).
+        sx, sy: the dst grid stride: one dst token per ``sy x sx`` cell (integers in [1, 64]; 64 x 64 already
+            covers the whole token grid of a 512 px image).
         use_rand: pick the dst inside each cell at random (reproducibly, see ``seed``) instead of its top-left.
         merge_attn: merge before self-attention (attn1).
         merge_crossattn: merge before cross-attention (attn2).
@@ -105,28 +143,46 @@ class ToMeConfig:
     recompute_every: Union[int, Tuple[int, ...]] = 1
 
     def __post_init__(self) -> None:
+        # every value is checked by type before any comparison (an array or a tensor compared with a str or an int
+        # raises from inside numpy/paddle), and stored as the plain Python value (np.int64(2) -> 2)
+        store = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 - frozen dataclass
         for name in ("sx", "sy"):
             value = getattr(self, name)
-            if not _is_int(value) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1; got {value!r}")
-        object.__setattr__(self, "ratio", self._checked_ratio(self.ratio))
-        if self.max_downsample != "auto" and (
-            not _is_int(self.max_downsample) or self.max_downsample not in ALLOWED_MAX_DOWNSAMPLE
-        ):
+            if not _is_int(value) or not 1 <= value <= MAX_STRIDE:
+                raise ValueError(
+                    f"{name} must be an integer >= 1 and <= {MAX_STRIDE} (one dst token per sy x sx cell of the "
+                    f"token grid); got {_shown(value)}"
+                )
+            store(name, int(value))
+        store("ratio", self._checked_ratio(self.ratio))
+        max_downsample = self.max_downsample
+        if _as_choice(max_downsample, ("auto",)) is not None:
+            store("max_downsample", "auto")
+        elif _is_int(max_downsample) and max_downsample in ALLOWED_MAX_DOWNSAMPLE:
+            store("max_downsample", int(max_downsample))
+        else:
             raise ValueError(
-                f"max_downsample must be 'auto' or one of {ALLOWED_MAX_DOWNSAMPLE}; got {self.max_downsample!r}"
+                f"max_downsample must be 'auto' or one of {ALLOWED_MAX_DOWNSAMPLE}; got {_shown(max_downsample)}"
             )
         for name in ("use_rand", "merge_attn", "merge_crossattn", "merge_mlp"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be True or False; got {getattr(self, name)!r}")
+            flag = _as_bool(getattr(self, name))
+            if flag is None:
+                raise ValueError(f"{name} must be True or False; got {_shown(getattr(self, name))}")
+            store(name, flag)
         if not _is_int(self.seed) or self.seed < 0:
-            raise ValueError(f"seed must be an integer >= 0; got {self.seed!r}")
-        if self.method not in METHODS:
-            raise ValueError(f"method must be one of {METHODS}; got {self.method!r}")
+            raise ValueError(f"seed must be an integer >= 0; got {_shown(self.seed)}")
+        store("seed", int(self.seed))
+        method = _as_choice(self.method, METHODS)
+        if method is None:
+            raise ValueError(f"method must be one of {METHODS}; got {_shown(self.method)}")
+        store("method", method)
         if not _is_int(self.downsample_factor) or self.downsample_factor not in DOWNSAMPLE_FACTORS:
-            raise ValueError(f"downsample_factor must be an integer in [2, 8]; got {self.downsample_factor!r}")
-        if self.downsample_mode not in DOWNSAMPLE_MODES:
-            raise ValueError(f"downsample_mode must be one of {DOWNSAMPLE_MODES}; got {self.downsample_mode!r}")
+            raise ValueError(f"downsample_factor must be an integer in [2, 8]; got {_shown(self.downsample_factor)}")
+        store("downsample_factor", int(self.downsample_factor))
+        mode = _as_choice(self.downsample_mode, DOWNSAMPLE_MODES)
+        if mode is None:
+            raise ValueError(f"downsample_mode must be one of {DOWNSAMPLE_MODES}; got {_shown(self.downsample_mode)}")
+        store("downsample_mode", mode)
         if self.method == "todo" and (self.merge_crossattn or self.merge_mlp or not self.merge_attn):
             raise ValueError(
                 "method='todo' downsamples the keys and values of self-attention only; with it merge_attn must be "
@@ -139,15 +195,17 @@ class ToMeConfig:
         allowed = f"[0, {limit:g}) for sx={self.sx}, sy={self.sy} (the limit is 1 - 1/(sx*sy))"
 
         def check(value: Any, where: str) -> float:
-            if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value):
-                raise ValueError(f"ratio{where} must be a number in [0, {limit:g}); got {value!r}")
+            # (value != value) is NaN without math.isnan, which overflows on huge ints
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or value != value:
+                forms = ", a (start, end) pair or a callable of the progress" if not where else ""
+                raise ValueError(f"ratio{where} must be a number in [0, {limit:g}){forms}; got {_shown(value)}")
             if value != 0 and not 0 < value < limit:
-                raise ValueError(f"ratio{where} must be in {allowed}; got {value!r}")
+                raise ValueError(f"ratio{where} must be in {allowed}; got {_shown(value)}")
             return float(value)
 
         if isinstance(ratio, (tuple, list)):
             if len(ratio) != 2:
-                raise ValueError(f"ratio as a schedule must be a (start, end) pair; got {ratio!r}")
+                raise ValueError(f"ratio as a schedule must be a (start, end) pair; got {_shown(ratio)}")
             return (check(ratio[0], " start"), check(ratio[1], " end"))
         if callable(ratio):
             for i in range(_SCHEDULE_PROBES):
@@ -164,12 +222,14 @@ class ToMeConfig:
     def _checked_recompute(value: Any) -> Union[int, Tuple[int, ...]]:
         if _is_int(value):
             if value < 1:
-                raise ValueError(f"recompute_every must be an integer >= 1 or a list of step indices; got {value!r}")
+                raise ValueError(
+                    f"recompute_every must be an integer >= 1 or a list of step indices; got {_shown(value)}"
+                )
             return int(value)
         if isinstance(value, (list, tuple, range)) and len(value) > 0 and all(_is_int(v) and v >= 0 for v in value):
             return tuple(sorted({int(v) for v in value}))
         raise ValueError(
-            f"recompute_every must be an integer >= 1 or a non-empty list of step indices >= 0; got {value!r}"
+            f"recompute_every must be an integer >= 1 or a non-empty list of step indices >= 0; got {_shown(value)}"
         )
 
     @property

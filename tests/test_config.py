@@ -85,3 +85,130 @@ def test_recompute_every_accepts_a_period_or_sorted_unique_steps():
     config = ToMeConfig(recompute_every=[10, 0, 5, 5])
     assert config.recompute_every == (0, 5, 10) and config.caches_plans
     assert not ToMeConfig(method="todo", recompute_every=3).caches_plans  # ToDo has no plans to cache
+
+
+# issue #11, items 4 and 8: huge strides, and values of the wrong kind (arrays, tensors, numpy scalars, ...)
+def test_strides_are_bounded_with_a_message_naming_the_argument_and_range():
+    from ppdiffusers_tome.config import MAX_STRIDE
+
+    assert MAX_STRIDE == 64
+    config = ToMeConfig(sx=MAX_STRIDE, sy=MAX_STRIDE, ratio=0.9)  # the largest cell is allowed (and a high ratio)
+    assert (config.sx, config.sy) == (64, 64)
+    for name, value in [("sx", 65), ("sy", 10**4), ("sx", 10**6), ("sy", 2**40), ("sx", 10**400)]:
+        with pytest.raises(ValueError, match=rf"^{name} must be an integer >= 1 and <= 64 .*; got {str(value)[:50]}"):
+            ToMeConfig(**{name: value})
+
+
+def _odd_values():
+    import numpy as np
+    import paddle
+
+    return {
+        "np_array_1": np.array([2]),
+        "np_array_2": np.array([2, 1]),
+        "np_array_0d": np.array(2),
+        "np_str_array": np.array(["tome"]),
+        "np_int": np.int64(2),
+        "np_uint": np.uint8(3),
+        "np_float": np.float32(0.25),
+        "np_bool": np.bool_(True),
+        "np_nan": np.float64("nan"),
+        "tensor_int": paddle.to_tensor(2),
+        "tensor_float": paddle.to_tensor(0.5),
+        "tensor_vector": paddle.to_tensor([1, 2]),
+        "tensor_bool": paddle.to_tensor(True),
+        "list": [2],
+        "list_of_lists": [[2]],
+        "dict": {"value": 2},
+        "none": None,
+        "nan": float("nan"),
+        "inf": float("inf"),
+        "true": True,
+        "false": False,
+        "huge_int": 10**400,
+        "big_int": 2**64,
+        "negative_huge": -(10**400),
+        "string_number": "2",
+        "np_str": np.str_("todo"),
+    }
+
+
+FIELDS = [f.name for f in dataclasses.fields(ToMeConfig)]
+PLAIN = (bool, int, float, str, tuple)
+
+
+@pytest.mark.parametrize("field", FIELDS)
+@pytest.mark.parametrize("kind", sorted(_odd_values()))
+def test_every_field_accepts_a_plain_equivalent_or_raises_a_value_error_naming_it(field, kind):
+    value = _odd_values()[kind]
+    kwargs = {field: value}
+    if field in ("downsample_factor", "downsample_mode"):
+        kwargs["method"] = "todo"  # where these options matter
+    try:
+        config = ToMeConfig(**kwargs)
+    except ValueError as error:  # anything else (AssertionError, TypeError, OverflowError) fails the test
+        message = str(error)
+        assert message.startswith(field), message
+        assert "\n" not in message and len(message) < 400, message  # one readable line, even for a tensor
+        return
+    stored = getattr(config, field)
+    # accepted: then it is stored as the plain Python value, never as an array, a tensor or a numpy scalar
+    assert type(stored) in PLAIN, (field, kind, type(stored))
+    if isinstance(stored, tuple):
+        assert all(type(v) in (int, float) for v in stored), stored
+
+
+@pytest.mark.parametrize(
+    "field,value,expected",
+    [
+        ("sx", "np_int", 2),
+        ("sy", "np_uint", 3),
+        ("seed", "np_int", 2),
+        ("seed", "huge_int", 10**400),  # any integer seeds numpy's SeedSequence
+        ("max_downsample", "np_int", 2),
+        ("downsample_factor", "np_int", 2),
+        ("recompute_every", "np_int", 2),
+        ("recompute_every", "list", (2,)),
+        ("recompute_every", "huge_int", 10**400),  # never recompute after the first step
+        ("ratio", "np_float", 0.25),
+        ("use_rand", "np_bool", True),
+        ("merge_mlp", "np_bool", True),
+        ("method", "np_str", "todo"),
+    ],
+)
+def test_unambiguous_equivalents_are_accepted_as_plain_values(field, value, expected):
+    config = ToMeConfig(**{field: _odd_values()[value]})
+    stored = getattr(config, field)
+    assert stored == expected and type(stored) is type(expected)
+
+
+@pytest.mark.parametrize(
+    "field,value,message",
+    [
+        ("max_downsample", "tensor_vector", r"^max_downsample must be 'auto' or one of \(1, 2, 4, 8\); got Tensor"),
+        ("max_downsample", "np_array_2", r"^max_downsample must be 'auto' or one of .*; got array\(\[2, 1\]\)"),
+        ("method", "tensor_vector", r"^method must be one of \('tome', 'todo'\); got Tensor"),
+        ("method", "np_str_array", r"^method must be one of \('tome', 'todo'\); got array\(\['tome'\]"),
+        ("downsample_mode", "np_array_2", r"^downsample_mode must be one of \('nearest', 'average'\)"),
+        ("ratio", "huge_int", r"^ratio must be in \[0, 0.75\)"),
+        ("ratio", "tensor_float", r"^ratio must be a number in \[0, 0.75\), a \(start, end\) pair or a callable"),
+        ("ratio", "np_array_0d", r"pass a plain Python value"),
+        ("sx", "tensor_int", r"^sx must be an integer >= 1 and <= 64 .*pass a plain Python value"),
+        ("use_rand", "tensor_bool", r"^use_rand must be True or False"),
+        ("seed", "nan", r"^seed must be an integer >= 0"),
+        ("recompute_every", "np_array_2", r"^recompute_every must be an integer >= 1 or a non-empty list"),
+    ],
+)
+def test_arrays_and_tensors_get_the_arguments_own_message(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        ToMeConfig(**{field: _odd_values()[value]})
+
+
+def test_a_callable_ratio_returning_odd_values_is_refused_by_name():
+    import numpy as np
+
+    with pytest.raises(ValueError, match=r"^ratio\(progress=0\) must be in \[0, 0.75\)"):
+        ToMeConfig(ratio=lambda p: 10**400)
+    with pytest.raises(ValueError, match=r"^ratio\(progress=0\) must be a number in \[0, 0.75\); got array"):
+        ToMeConfig(ratio=lambda p: np.array([0.5, 0.5]))
+    assert ToMeConfig(ratio=lambda p: np.float32(0.5)).ratio_at(0.5) == 0.5
