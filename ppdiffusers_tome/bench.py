@@ -16,6 +16,16 @@ memory, and fidelity against vanilla with the same seed (PSNR of the decoded ima
 prediction). With ``--unet-only`` the cell is one denoiser forward on fixed random inputs instead of a pipeline
 call. Out-of-memory is caught and reported as ``OOM`` in its cell; the grid goes on.
 
+Each cell also counts, on one extra denoiser forward after its timed runs, the eager operators the method adds per
+merging block over vanilla (``ops/block``, with ``paddle.profiler``; see :func:`ppdiffusers_tome.measure.count_ops`).
+
+``--device gpu`` runs on a CUDA build of PaddlePaddle (``paddlepaddle-gpu``) and refuses at once on any other build.
+There every timed run is bracketed by ``paddle.device.synchronize()`` and the memory is
+``paddle.device.cuda.max_memory_allocated()`` after ``reset_max_memory_allocated()``. Where ppdiffusers finds Paddle's
+memory-efficient attention (GPU builds), its default attention processor already calls
+``scaled_dot_product_attention_`` (flash attention in half precision, else cutlass), so every method runs with it;
+each cell records its processor. The device functions sit in one object (:class:`CudaDevice`) that tests replace.
+
 ``--variants`` adds configurations beyond the plain methods, each ``name:option=value,...`` with ``apply_tome``
 options, for example ``tome:recompute_every=5``, ``tome:ratio=(0.6,0.3)`` or
 ``todo:downsample_factor=4,downsample_mode=average``. A ``tome`` variant without its own ``ratio`` runs at every
@@ -38,7 +48,18 @@ import paddle
 
 from . import api
 from .config import ToMeConfig
-from .measure import ForwardTimer, PeakMemory, environment, format_table as render, median, on_gpu, psnr, relative_l2
+from .measure import (
+    ForwardTimer,
+    OpCount,
+    PeakMemory,
+    count_forward_ops,
+    environment,
+    format_table as render,
+    median,
+    on_gpu,
+    psnr,
+    relative_l2,
+)
 from .patch import ModelPatch, find_blocks, get_patch
 
 logger = logging.getLogger(__name__)
@@ -74,6 +95,126 @@ class BoundPatch(ModelPatch):
 
     def make_plan(self, block_index: int, hidden: Any, grid_h: int, grid_w: int, r: int) -> TruncationPlan:
         return TruncationPlan(hidden.shape[1], hidden.shape[0], r)
+
+
+# devices ---------------------------------------------------------------------------------------------------------
+class DeviceUnavailable(ValueError):
+    """``--device`` names a device this PaddlePaddle build cannot use."""
+
+
+class CpuDevice:
+    """What the benchmark needs from the CPU: nothing to wait for, and the peak resident set size as memory."""
+
+    name = "cpu"
+    memory_kind = "cpu_peak_rss"
+
+    def synchronize(self) -> None:
+        """Nothing is queued on the CPU: kernels have finished when they return."""
+
+    def memory(self) -> PeakMemory:
+        """A window measuring the peak memory of what runs inside it."""
+        return PeakMemory()
+
+
+class _DeviceMemory:
+    """Peak device memory of a ``with`` window, from the functions of a :class:`CudaDevice` (same fields as
+    :class:`ppdiffusers_tome.measure.PeakMemory`)."""
+
+    def __init__(self, device: "CudaDevice"):
+        self.device = device
+        self.kind = device.memory_kind
+        self.baseline_bytes = 0
+        self.peak_bytes = 0
+
+    def __enter__(self) -> "_DeviceMemory":
+        self.device.synchronize()
+        self.device.reset_peak()
+        self.baseline_bytes = int(self.device.allocated())
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.device.synchronize()
+        self.peak_bytes = int(self.device.max_memory())
+
+    @property
+    def added_bytes(self) -> int:
+        return max(self.peak_bytes - self.baseline_bytes, 0)
+
+
+class CudaDevice:
+    """What the benchmark needs from a CUDA GPU, as replaceable functions: ``synchronize`` (wait for queued
+    kernels; called before and after every timed run and around every timed UNet forward), ``reset_peak``,
+    ``max_memory`` and ``allocated`` (Paddle's allocator statistics, in bytes). The defaults are Paddle's; a test
+    passes its own to check the GPU branch on a CPU build."""
+
+    name = "gpu"
+    memory_kind = "gpu_max_allocated"
+
+    def __init__(
+        self,
+        synchronize: Optional[Callable[[], Any]] = None,
+        reset_peak: Optional[Callable[[], Any]] = None,
+        max_memory: Optional[Callable[[], int]] = None,
+        allocated: Optional[Callable[[], int]] = None,
+    ):
+        cuda = paddle.device.cuda
+        self._synchronize = synchronize or paddle.device.synchronize
+        self.reset_peak = reset_peak or cuda.reset_max_memory_allocated
+        self.max_memory = max_memory or cuda.max_memory_allocated
+        self.allocated = allocated or cuda.memory_allocated
+
+    def synchronize(self) -> None:
+        self._synchronize()
+
+    def memory(self) -> _DeviceMemory:
+        return _DeviceMemory(self)
+
+
+Device = Any  # CpuDevice, CudaDevice or an object with the same methods
+
+DEVICES = ("cpu", "gpu")
+
+
+def select_device(name: str) -> Device:
+    """Make ``name`` (``"cpu"`` or ``"gpu"``) Paddle's current device and return the benchmark's view of it.
+
+    ``"gpu"`` raises :class:`DeviceUnavailable` at once, before anything is built, unless this is a CUDA build of
+    PaddlePaddle that sees a GPU."""
+    if name not in DEVICES:
+        raise ValueError(f"--device must be one of {', '.join(DEVICES)}; got {name!r}")
+    if name == "cpu":
+        paddle.set_device("cpu")
+        return CpuDevice()
+    if not paddle.is_compiled_with_cuda():
+        raise DeviceUnavailable(
+            f"--device gpu needs a CUDA build of PaddlePaddle, but this one (paddle {paddle.__version__}) is CPU-only "
+            "(paddle.is_compiled_with_cuda() is False). Install paddlepaddle-gpu for your CUDA version "
+            "(https://www.paddlepaddle.org.cn/install/quick) in place of paddlepaddle, or run with --device cpu."
+        )
+    count = paddle.device.cuda.device_count()
+    if count < 1:
+        raise DeviceUnavailable(
+            "--device gpu: this PaddlePaddle is a CUDA build but sees no GPU (paddle.device.cuda.device_count() is "
+            "0); check the NVIDIA driver and CUDA_VISIBLE_DEVICES, or run with --device cpu."
+        )
+    paddle.set_device("gpu")
+    return CudaDevice()
+
+
+def default_device() -> Device:
+    """The benchmark's view of Paddle's current device, without changing it."""
+    return CudaDevice() if on_gpu() else CpuDevice()
+
+
+def attention_processor(pipe) -> str:
+    """The attention processor of the UNet's first transformer block (with its ``attention_op`` when it has one),
+    e.g. ``"XFormersAttnProcessor(op=None)"`` on a GPU build, ``"AttnProcessor"`` on CPU."""
+    blocks = find_blocks(pipe.unet)
+    processor = getattr(getattr(blocks[0][1], "attn1", None), "processor", None) if blocks else None
+    if processor is None:
+        return ""
+    name = type(processor).__name__
+    return f"{name}(op={processor.attention_op})" if hasattr(processor, "attention_op") else name
 
 
 # methods ---------------------------------------------------------------------------------------------------------
@@ -294,6 +435,10 @@ class Cell:
     fraction_of_bound: Optional[float] = None
     plans_reused_share: Optional[float] = None  # of the merge plans in one call, the share taken from the cache
     runs_seconds: List[float] = field(default_factory=list)
+    ops: Optional[int] = None  # eager operators of one denoiser forward (counted once, outside the timed runs)
+    merging_blocks: Optional[int] = None  # transformer blocks that ran on fewer tokens in that forward
+    ops_per_block: Optional[float] = None  # (ops - vanilla's ops) / merging_blocks
+    attention: str = ""  # attention processor the cell ran with
 
 
 @dataclass
@@ -310,6 +455,7 @@ class BenchSettings:
     unet_only: bool = False
     seed: int = 0
     prompt: str = "a lighthouse on a cliff at sunset, detailed oil painting"
+    count_ops: bool = True  # ops/block: one extra denoiser forward per cell and method, profiled
 
 
 def method_list(settings: BenchSettings) -> List[Method]:
@@ -345,27 +491,30 @@ def method_list(settings: BenchSettings) -> List[Method]:
 class Runner:
     """Measures one pipeline across the grid."""
 
-    def __init__(self, pipe, settings: BenchSettings, progress: Optional[Callable[[], None]] = None):
+    def __init__(self, pipe, settings: BenchSettings, progress: Optional[Callable[[], None]] = None,
+                 device: Optional[Device] = None):
         self.pipe = pipe
         self.settings = settings
         self.progress = progress or (lambda: None)
+        self.device = device if device is not None else default_device()
 
     def _measure_once(self, size: int, batch: int) -> Dict[str, Any]:
-        pipe, s = self.pipe, self.settings
-        first_output: List[np.ndarray] = []
+        pipe, s, device = self.pipe, self.settings, self.device
+        first_output: List[paddle.Tensor] = []
 
         def capture(layer, args, output):
-            if not first_output:
+            if not first_output:  # a device copy now, read back to the host after the timed window
                 sample = output[0] if isinstance(output, (tuple, list)) else getattr(output, "sample", output)
-                first_output.append(np.asarray(sample.astype("float32").numpy(), dtype=np.float64))
+                first_output.append(sample.clone())
 
         before = self._plan_counts()
         inputs = self._inputs(size, batch) if s.unet_only else None  # built outside the timed window
         call = None if s.unet_only else _pipeline_kwargs(pipe, size, batch, s.steps, s.seed, s.prompt)
-        timer = ForwardTimer(pipe.unet)
+        timer = ForwardTimer(pipe.unet, synchronize=device.synchronize)
         handle = pipe.unet.register_forward_post_hook(capture)
         try:
-            with PeakMemory() as mem:
+            with device.memory() as mem:
+                device.synchronize()
                 start = time.perf_counter()
                 if inputs is not None:
                     with paddle.no_grad():
@@ -373,19 +522,33 @@ class Runner:
                     image = None
                 else:
                     image = pipe(**call).images
+                device.synchronize()  # queued kernels belong to this run
                 seconds = time.perf_counter() - start
         finally:
             handle.remove()
             timer.remove()
         computed, reused = (a - b for a, b in zip(self._plan_counts(), before))
+        noise = first_output[0].astype("float32").numpy().astype(np.float64) if first_output else None
         return dict(
             seconds=seconds,
             reused_share=reused / (computed + reused) if computed + reused else None,
             unet_seconds=median(timer.seconds[1:] or timer.seconds),
             memory=mem,
-            noise=first_output[0] if first_output else None,
+            noise=noise,
             image=None if image is None else np.asarray(image, dtype=np.float64),
         )
+
+    def _count_ops(self, size: int, batch: int) -> OpCount:
+        """Eager operators of one denoiser forward in the configuration in place, and the blocks that merged in
+        it. Runs right after a measured run of the same configuration, so the model is warm."""
+        inputs = self._inputs(size, batch)
+        models = [model for _, model in api._targets(self.pipe, for_apply=False)]
+
+        def run():
+            with paddle.no_grad():
+                return inputs.run()
+
+        return count_forward_ops(run, models, warmup=0)
 
     def _plan_counts(self) -> Tuple[int, int]:
         stats = api.tome_stats(self.pipe).values()
@@ -420,6 +583,7 @@ class Runner:
                 else:
                     logger.info("%dpx batch %d %-18s %s %d: %.2f s", size, batch, method.label,
                                 "warm-up" if repeat < s.warmup else "run", repeat + 1, result["seconds"])
+                    cell.attention = attention_processor(self.pipe)
                     if repeat >= s.warmup:
                         cell.runs_seconds.append(result["seconds"])
                         kept = best.setdefault(method.label, {"unet": []})
@@ -428,11 +592,23 @@ class Runner:
                             kept["memory"] = result["memory"]
                         kept["noise"], kept["image"] = result["noise"], result["image"]
                         cell.plans_reused_share = result["reused_share"]
+                    if repeat == s.warmup + s.repeats - 1 and s.count_ops:  # once, after the last timed run
+                        self._count_cell_ops(cell, size, batch)
                 finally:
                     api.remove_tome(self.pipe)
                     self.progress()
         self._finish(cells, best, batch)
         return list(cells.values())
+
+    def _count_cell_ops(self, cell: Cell, size: int, batch: int) -> None:
+        try:
+            counted = self._count_ops(size, batch)
+        except Exception as error:  # noqa: BLE001 - out of memory leaves the column empty; the timing stands
+            if not is_out_of_memory(error):
+                raise
+            logger.warning("%s at %dpx batch %d: out of memory while counting operators", cell.label, size, batch)
+            return
+        cell.ops, cell.merging_blocks = counted.total, counted.merging_blocks
 
     def _finish(self, cells: Dict[str, Cell], best: Dict[str, Dict[str, Any]], batch: int) -> None:
         vanilla = cells.get("vanilla")
@@ -452,6 +628,8 @@ class Runner:
                     cell.rel_l2 = relative_l2(ref["noise"], kept["noise"])
                 if ref["image"] is not None and kept["image"] is not None:
                     cell.psnr_db = psnr(ref["image"], kept["image"])
+            if cell.ops is not None and vanilla is not None and vanilla.ops is not None and cell.merging_blocks:
+                cell.ops_per_block = (cell.ops - vanilla.ops) / cell.merging_blocks
         for label, cell in cells.items():
             bound = cells.get(f"bound@{cell.ratio:g}")
             if cell.method in ("tome", "tome-efficient", "builtin") and bound is not None:
@@ -459,9 +637,12 @@ class Runner:
                     cell.fraction_of_bound = median(bound.runs_seconds) / median(cell.runs_seconds)
 
 
-def run_grid(pipe, settings: BenchSettings, progress: Optional[Callable[[], None]] = None) -> List[Cell]:
+def run_grid(pipe, settings: BenchSettings, progress: Optional[Callable[[], None]] = None,
+             device: Optional[Device] = None) -> List[Cell]:
+    """Measure every resolution x batch x method cell of ``settings`` on ``pipe`` (``device``: see
+    :func:`select_device`; default Paddle's current device)."""
     methods = method_list(settings)
-    runner = Runner(pipe, settings, progress)
+    runner = Runner(pipe, settings, progress, device)
     cells: List[Cell] = []
     for size in settings.resolutions:
         for batch in settings.batch_sizes:
@@ -476,7 +657,8 @@ def grid_steps(settings: BenchSettings) -> int:
 
 
 # time split of one UNet forward ------------------------------------------------------------------------------------
-def time_split(pipe, settings: BenchSettings, size: int, batch: int, method: Method) -> Dict[str, float]:
+def time_split(pipe, settings: BenchSettings, size: int, batch: int, method: Method,
+               device: Optional[Device] = None) -> Dict[str, float]:
     """Seconds of one denoiser forward (after one warm-up forward) spent in self-attention, in ToMe's matching
     (plans, merges, unmerges) and in the rest, for ``method`` at ``size``/``batch``. ``rest`` is what remains of
     the whole forward; the three add up to ``total``."""
@@ -484,7 +666,7 @@ def time_split(pipe, settings: BenchSettings, size: int, batch: int, method: Met
     outer_start: Dict[int, float] = {}
     inner_start: Dict[int, float] = {}
     inner_seconds: Dict[int, float] = {}
-    sync = paddle.device.cuda.synchronize if on_gpu() else (lambda: None)
+    sync = (device if device is not None else default_device()).synchronize
 
     # inner hooks sit right around the attention; outer ones also around ToMe's merge/unmerge hooks on attn1
     def outer_pre(layer, args):
@@ -591,7 +773,7 @@ def format_table(cells: List[Cell], methods: List[Method]) -> str:
 
 def format_details(cells: List[Cell]) -> str:
     header = ["resolution", "batch", "method", "status", "s/image", "UNet s", "speed-up", "added MiB", "PSNR", "rel L2",
-              "of bound", "reused"]
+              "of bound", "reused", "ops/block"]
     rows = [header]
     for c in cells:
         label = c.label
@@ -604,7 +786,7 @@ def format_details(cells: List[Cell]) -> str:
             fmt(c.seconds_per_image, "{:.3f}"), fmt(c.unet_seconds, "{:.3f}"), fmt(c.speedup, "{:.2f}x"),
             fmt(None if c.added_memory_bytes is None else c.added_memory_bytes / 2**20, "{:.0f}"),
             "inf" if c.psnr_db == float("inf") else fmt(c.psnr_db, "{:.1f}"), fmt(c.rel_l2, "{:.4f}"),
-            fmt(c.fraction_of_bound, "{:.1%}"), fmt(c.plans_reused_share, "{:.0%}"),
+            fmt(c.fraction_of_bound, "{:.1%}"), fmt(c.plans_reused_share, "{:.0%}"), fmt(c.ops_per_block, "{:.1f}"),
         ])
     return render(rows)
 

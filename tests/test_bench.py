@@ -19,7 +19,7 @@ QUICK = ["--resolutions", "32", "--steps", "1", "--repeats", "1", "--warmup", "0
 CELL_KEYS = {
     "resolution", "batch", "method", "ratio", "label", "options", "status", "reason", "seconds_per_image", "unet_seconds", "speedup",
     "peak_memory_bytes", "added_memory_bytes", "memory_kind", "psnr_db", "rel_l2", "fraction_of_bound",
-    "plans_reused_share", "runs_seconds",
+    "plans_reused_share", "runs_seconds", "ops", "merging_blocks", "ops_per_block", "attention",
 }
 
 
@@ -238,3 +238,101 @@ def test_results_json_round_trips_to_cells_and_draws_a_pareto_plot(tmp_path):
     assert len(paths) == 1
     with Image.open(paths[0]) as png:
         png.verify()
+
+
+# the GPU path and the ops/block column -------------------------------------------------------------------------------
+def test_device_gpu_refuses_a_cpu_only_build_at_once(tmp_path, monkeypatch, capsys):
+    assert not paddle.is_compiled_with_cuda()  # this suite runs on the CPU build
+
+    def never(*args, **kwargs):
+        raise AssertionError("a pipeline was built before the device was checked")
+
+    monkeypatch.setattr("ppdiffusers_tome.presets.preset_pipeline", never)
+    args = ["bench", "--device", "gpu", "--dtype", "float16", "--arch", "tiny", *QUICK, "--output", str(tmp_path)]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "--device gpu needs a CUDA build of PaddlePaddle" in err and "paddlepaddle-gpu" in err
+    assert "is_compiled_with_cuda() is False" in err and not (tmp_path / "results.json").exists()
+
+
+def test_device_gpu_refuses_a_cuda_build_without_a_gpu(monkeypatch):
+    monkeypatch.setattr(paddle, "is_compiled_with_cuda", lambda: True)
+    monkeypatch.setattr(paddle.device.cuda, "device_count", lambda: 0)
+    with pytest.raises(bench.DeviceUnavailable, match=r"sees no GPU \(paddle.device.cuda.device_count\(\) is 0\)"):
+        bench.select_device("gpu")
+    with pytest.raises(ValueError, match="--device must be one of cpu, gpu; got 'tpu'"):
+        bench.select_device("tpu")
+    assert isinstance(bench.select_device("cpu"), bench.CpuDevice) and paddle.get_device() == "cpu"
+
+
+class FakeCuda:
+    """Stand-ins for the CUDA functions that record when they are called among the UNet's forwards."""
+
+    def __init__(self):
+        self.log = []
+        self.peaks = iter(range(1000, 10**6, 1000))  # each window reports a new peak: 1000, 2000, ...
+        self.reported = []
+
+    def device(self):
+        return bench.CudaDevice(synchronize=lambda: self.log.append("sync"), reset_peak=lambda: self.log.append("reset"),
+                                max_memory=self.max_memory, allocated=lambda: 100)
+
+    def max_memory(self):
+        self.reported.append(next(self.peaks))
+        self.log.append("max")
+        return self.reported[-1]
+
+
+def test_gpu_branch_synchronises_every_timed_run_and_reads_the_allocator(monkeypatch):
+    fake = FakeCuda()
+    pipe = preset_pipeline("tiny")
+    pipe.unet.register_forward_pre_hook(lambda layer, args: fake.log.append("forward"))
+    pipe.unet.register_forward_post_hook(lambda layer, args, out: fake.log.append("done"))
+    real_clock = bench.time.perf_counter
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: fake.log.append("clock") or real_clock())
+    settings = bench.BenchSettings(resolutions=[32], methods=("vanilla", "tome"), repeats=2, warmup=1, unet_only=True,
+                                   count_ops=False)
+    cells = {c.label: c for c in bench.run_grid(pipe, settings, device=fake.device())}
+    windows = [w.split() for w in " ".join(fake.log).split("max")[:-1]]
+    assert len(windows) == 6  # 2 methods x (1 warm-up + 2 timed runs), each one memory window
+    for window in windows:
+        assert window[:2] == ["sync", "reset"] and window.count("forward") == window.count("done") == 1
+        clocks = [i for i, token in enumerate(window) if token == "clock"]
+        assert all(window[i - 1] == "sync" for i in clocks)  # every clock read waits for the device first
+        assert clocks[0] < window.index("forward") and clocks[-1] > window.index("done")
+        assert window[-1] == "sync"  # and the peak is read after a last synchronize
+    for label, cell in cells.items():
+        assert cell.status == "ok" and cell.memory_kind == "gpu_max_allocated"
+        assert cell.peak_memory_bytes in fake.reported and cell.added_memory_bytes == cell.peak_memory_bytes - 100
+    # the larger of a method's two timed peaks is kept: windows 2-3 are vanilla's and tome's 1st, 5-6 their 2nd
+    assert cells["vanilla"].peak_memory_bytes == 5000 and cells["tome@0.5"].peak_memory_bytes == 6000
+
+
+def test_ops_per_block_column_on_a_tiny_preset(tmp_path, capsys):
+    from ppdiffusers_tome.measure import count_ops
+
+    args = ["bench", "--arch", "tiny", *QUICK, "--unet-only", "--methods", "vanilla", "tome", "todo", "--compare-builtin",
+            "--no-time-split", "--no-plots", "--output", str(tmp_path)]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    cells = {c["method"]: c for c in load(tmp_path)["cells"]}
+    # an independent count of a vanilla forward with the bench's own inputs
+    pipe = preset_pipeline("tiny")
+    inputs = bench.DenoiserInputs(pipe, 32, 1, 0)
+    with paddle.no_grad():
+        inputs.run()
+        direct = count_ops(inputs.run).total
+    assert cells["vanilla"]["ops"] == direct and cells["vanilla"]["ops_per_block"] is None
+    assert cells["vanilla"]["merging_blocks"] == 0
+    for name in ("tome", "todo", "builtin"):
+        cell = cells[name]
+        assert cell["merging_blocks"] == 3, name  # the tiny UNet's three blocks at the 1x level
+        assert cell["ops"] > direct
+        assert cell["ops_per_block"] == pytest.approx((cell["ops"] - direct) / 3)
+    assert cells["tome"]["attention"] == "AttnProcessor"  # no efficient attention kernel on the CPU build
+    details = out.split("\n\n")[1]
+    assert details.splitlines()[0].rstrip().endswith("ops/block")
+    tome_row = next(line for line in details.splitlines() if "| tome@0.5 " in line)
+    assert tome_row.rstrip().endswith(f"{cells['tome']['ops_per_block']:.1f}")
+    assert main(args[:-2] + ["--no-op-count", "--output", str(tmp_path / "none")]) == 0
+    assert all(c["ops"] is None and c["ops_per_block"] is None for c in load(tmp_path / "none")["cells"])
