@@ -465,9 +465,10 @@ def count_ops(fn: Callable[[], Any]) -> OpCount:
 
 class MergingBlocks:
     """Count the transformer blocks that ran with fewer tokens than they were given while the ``with`` block runs:
-    a block merged when its self-attention's ``to_q`` saw fewer tokens than the block's input (ToMe, the built-in
-    port, the bound) or its ``to_k`` did (ToDo's shorter keys). It watches from outside with forward hooks, so it
-    counts any implementation alike; one block called twice counts twice.
+    a block merged when the ``to_q`` of its self- or cross-attention or its feed-forward saw fewer tokens than the
+    block's input (ToMe, the built-in port, the bound), or its self-attention's ``to_k`` did (ToDo's shorter keys).
+    It watches from outside with forward hooks, so it counts any implementation alike; one block called twice
+    counts twice.
 
     >>> from ppdiffusers_tome.testing import tiny_unet
     >>> unet = tiny_unet()
@@ -493,13 +494,11 @@ class MergingBlocks:
                 key = id(block)
                 self._handles.append(block.register_forward_pre_hook(self._block_pre(key), prepend=True))
                 self._handles.append(block.register_forward_post_hook(self._block_post(key)))
-                attn = getattr(block, "attn1", None)
-                if attn is None:
-                    continue
-                projections = [getattr(attn, "to_q", None)]
-                if not getattr(attn, "is_cross_attention", False):
-                    projections.append(getattr(attn, "to_k", None))  # ToDo shortens self-attention's keys
-                for layer in projections:
+                attn1, attn2 = getattr(block, "attn1", None), getattr(block, "attn2", None)
+                watched = [getattr(attn1, "to_q", None), getattr(attn2, "to_q", None), getattr(block, "ff", None)]
+                if attn1 is not None and not getattr(attn1, "is_cross_attention", False):
+                    watched.append(getattr(attn1, "to_k", None))  # ToDo shortens self-attention's keys
+                for layer in watched:
                     if isinstance(layer, paddle.nn.Layer):
                         self._handles.append(layer.register_forward_pre_hook(self._projection_pre(key)))
         except BaseException:

@@ -187,7 +187,12 @@ def test_merging_blocks_and_ops_added_per_block_on_a_tiny_unet():
         todo = count_forward_ops(run, unet)
     finally:
         ppdiffusers_tome.remove_tome(unet)
-    assert (vanilla.merging_blocks, tome.merging_blocks, todo.merging_blocks) == (0, 3, 3)
+    ppdiffusers_tome.apply_tome(unet, merge_attn=False, merge_mlp=True)  # merging only before the feed-forward
+    try:
+        mlp = count_forward_ops(run, unet, warmup=0)
+    finally:
+        ppdiffusers_tome.remove_tome(unet)
+    assert (vanilla.merging_blocks, tome.merging_blocks, todo.merging_blocks, mlp.merging_blocks) == (0, 3, 3, 3)
     assert tome.total > vanilla.total
     per_block = ops_added_per_block(vanilla.total, tome.total, tome.merging_blocks)
     assert per_block == (tome.total - vanilla.total) / 3
