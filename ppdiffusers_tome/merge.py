@@ -4,23 +4,31 @@ Nothing in this file knows about UNets, pipelines or hooks. It maps tensors to t
 and benchmarked on its own. The model glue in :mod:`ppdiffusers_tome.patch` builds one :class:`MergePlan` per
 transformer block call and applies its ``merge``/``unmerge`` around the block's sub-layers.
 
-Layout of a plan (per batch item ``b``; ``N`` tokens, ``Nd`` dst, ``Ns = N - Nd`` src, ``r`` merged)::
+Everything a forward pass runs stays on the device: the random partition is drawn from an integer hash of
+``(seed, block, grid, timestep, cell)`` computed with tensor ops (no host RNG, no upload, no read of the timestep),
+index tables are cached per grid and place, and no Python decision depends on a tensor's value or on the batch
+size, so the same code runs eagerly, under ``paddle.jit.to_static`` with a dynamic batch, and in CUDA graphs.
+
+Layout of a plan (per batch item ``b``; ``N`` tokens in partition order: ``Ns`` src then ``Nd`` dst; ``r`` merged)::
 
     merged row:   0 ........ Ns-r-1 | Ns-r ........ Ns-r+Nd-1
     holds:        unmerged src       | dst (each the mean of itself and the src merged into it)
 
-All index tensors are flattened over the batch once when the plan is built. ``merge`` gathers the kept rows and
-adds ``(src - dst) / count`` onto each dst (exact when tokens are identical, and the differences of similar tokens
-are small, which keeps the mean accurate); ``unmerge`` is a single gather.
+Two merge kernels compute the same mean: ``"scatter"`` (``index_add``, for the CPU, where it runs in order) and
+``"matmul"`` (a batched matmul with a one-hot weight matrix, for the GPU, where ``index_add`` of floats uses
+atomics and so is not bit-reproducible). :func:`device_kind` picks one from the tensor's place.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Callable, Iterator, Optional, Tuple, Union
+import random as _random
+from collections import OrderedDict
+from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import paddle
+import paddle.nn.functional as F
 
 __all__ = [
     "DOWNSAMPLE_MODES",
@@ -28,18 +36,27 @@ __all__ = [
     "MergePlan",
     "bipartite_soft_matching_random2d",
     "compute_dtype",
+    "device_kind",
     "downsample_tokens",
     "find_downsample",
     "grid_partition",
     "max_ratio",
+    "partition_table",
+    "step_key",
+    "tracing",
 ]
 
 _LOW_PRECISION = ("float16", "bfloat16")
-_NORM_EPS = 1e-6
 _MERGE_MODES = ("mean", "sum")
 DOWNSAMPLE_MODES = ("nearest", "average")
+_TINY = 1.1754944e-38  # smallest normal float32
+_KINDS = ("cpu", "gpu")
 
 GeneratorLike = Union[None, int, np.random.Generator]
+
+# Which device's kernels to use, whatever the tensors' place: None (decide by place), "cpu" or "gpu". Tests set it
+# to run the GPU branch's logic on a CPU.
+DEVICE_OVERRIDE: Optional[str] = None
 
 
 def _dtype_name(dtype) -> str:
@@ -69,6 +86,42 @@ def max_ratio(sx: int, sy: int) -> float:
     return 1.0 - 1.0 / (sx * sy)
 
 
+def tracing() -> bool:
+    """Whether this code is being converted to a static graph (``paddle.jit.to_static``) rather than run eagerly."""
+    if not paddle.in_dynamic_mode():
+        return True
+    try:
+        from paddle.base.dygraph.base import in_sot_simulation_mode, in_to_static_mode
+    except ImportError:  # pragma: no cover - older Paddle
+        return False
+    return bool(in_to_static_mode() or in_sot_simulation_mode())
+
+
+def device_kind(x: Any = None) -> str:
+    """``"gpu"`` when ``x`` lives on a GPU (or, while tracing, when the program will run on one), else ``"cpu"``.
+
+    :data:`DEVICE_OVERRIDE` takes precedence. The GPU branch differs in three places: the merge kernel (matmul,
+    no float atomics), the unmerge gather (no float32 round trip for half dtypes) and the sort (at least two rows,
+    so Paddle never takes its synchronising single-row Thrust path).
+
+    >>> import paddle
+    >>> device_kind(paddle.ones([1]))
+    'cpu'
+    """
+    if DEVICE_OVERRIDE is not None:
+        if DEVICE_OVERRIDE not in _KINDS:
+            raise ValueError(f"DEVICE_OVERRIDE must be None or one of {_KINDS}; got {DEVICE_OVERRIDE!r}")
+        return DEVICE_OVERRIDE
+    place = getattr(x, "place", None)
+    check = getattr(place, "is_gpu_place", None)
+    if callable(check):
+        try:
+            return "gpu" if check() else "cpu"
+        except Exception:  # pragma: no cover - a place that cannot answer
+            pass
+    return "gpu" if paddle.is_compiled_with_cuda() and str(paddle.device.get_device()).startswith("gpu") else "cpu"
+
+
 def find_downsample(latent_h: int, latent_w: int, num_tokens: int, limit: int = 1 << 12) -> Optional[int]:
     """Find the power-of-two downsampling factor ``d`` whose token grid ``ceil(H/d) x ceil(W/d)`` has exactly
     ``num_tokens`` tokens, or ``None`` if no level matches.
@@ -92,29 +145,176 @@ def find_downsample(latent_h: int, latent_w: int, num_tokens: int, limit: int = 
     return None
 
 
+# Device-side tables ---------------------------------------------------------------------------------------------
+class _DeviceCache:
+    """Small LRU of tensors built once per key and place; bypassed while tracing (a static program gets constants
+    of its own instead of references to eager tensors)."""
+
+    def __init__(self, size: int = 64):
+        self.size = size
+        self.items: "OrderedDict[Any, Any]" = OrderedDict()
+
+    def get(self, key: Any, build: Callable[[], Any]) -> Any:
+        if tracing():
+            return build()
+        key = (key, str(paddle.device.get_device()))
+        if key in self.items:
+            self.items.move_to_end(key)
+            return self.items[key]
+        value = self.items[key] = build()
+        if len(self.items) > self.size:
+            self.items.popitem(last=False)
+        return value
+
+    def clear(self) -> None:
+        self.items.clear()
+
+
+_CACHE = _DeviceCache()
+
+
+def _const(values: Any, dtype: str = "int64") -> paddle.Tensor:
+    return paddle.to_tensor(np.asarray(values, dtype=dtype))
+
+
+# 31-bit integer hash: every value stays below 2**31 and every constant below 2**31, so products stay below 2**62
+# and never overflow int64, on any device.
+_MASK31 = (1 << 31) - 1
+_MULTIPLIERS = (0x2C1B3C6D, 0x297A2D39)
+_W_STEP, _W_BLOCK, _W_SEED, _W_CELL = 0x5BD1E995 & _MASK31, 0x1B873593, 0x68E31DA4, 0x3C6EF372 | 1
+
+
+def _hash_constants() -> Dict[str, paddle.Tensor]:
+    return _CACHE.get("hash", lambda: {
+        "mask": _const(_MASK31), "m1": _const(_MULTIPLIERS[0]), "m2": _const(_MULTIPLIERS[1]), "step": _const(_W_STEP),
+    })
+
+
+def _mix31(x: paddle.Tensor, c: Dict[str, paddle.Tensor]) -> paddle.Tensor:
+    """Avalanche a tensor of int64 values in [0, 2**31) (two xor-shift-multiply rounds, as in MurmurHash3's
+    finaliser, on 31 bits)."""
+    x = paddle.bitwise_xor(x, x >> 16)
+    x = paddle.bitwise_and(x * c["m1"], c["mask"])
+    x = paddle.bitwise_xor(x, x >> 15)
+    x = paddle.bitwise_and(x * c["m2"], c["mask"])
+    return paddle.bitwise_xor(x, x >> 16)
+
+
+def _mix31_int(x: int) -> int:
+    """The same hash on a Python int (for keys made on the host)."""
+    x &= _MASK31
+    x ^= x >> 16
+    x = (x * _MULTIPLIERS[0]) & _MASK31
+    x ^= x >> 15
+    x = (x * _MULTIPLIERS[1]) & _MASK31
+    return x ^ (x >> 16)
+
+
+def step_key(timestep: Any) -> paddle.Tensor:
+    """A 0-d int64 device tensor that identifies the denoising step of a call, computed from the timestep without
+    reading it on the host: the largest timestep of the batch, in 1/1024 units, on 31 bits. Python numbers (and
+    ``None``, as 0) are turned into a constant with a fill op, which uploads nothing.
+
+    Both halves of classifier-free guidance (same timestep) get the same key whether they come in one call or two.
+
+    >>> import paddle
+    >>> int(step_key(paddle.to_tensor([999, 999]))) == int(step_key(999))
+    True
+    """
+    if timestep is None or isinstance(timestep, (int, float, np.integer, np.floating)):
+        value = 0 if timestep is None else int(round(float(timestep) * 1024)) & _MASK31
+        return paddle.full([], value, dtype="int64")
+    c = _hash_constants()
+    t = timestep.max()
+    if _dtype_name(t.dtype) in ("int64", "int32"):
+        t = t.astype("int64") * 1024
+    else:
+        t = (t.astype("float64") * 1024.0).round().astype("int64")
+    return paddle.bitwise_and(t, c["mask"])
+
+
+class _Grid:
+    """Host-side description of one ``h x w`` grid with ``sy x sx`` cells (numpy, cached by :func:`_grid`)."""
+
+    def __init__(self, h: int, w: int, sx: int, sy: int):
+        self.h, self.w, self.sx, self.sy = h, w, sx, sy
+        self.slots = sx * sy
+        rows = np.arange(h // sy, dtype=np.int64)[:, None] * (sy * w)
+        cols = np.arange(w // sx, dtype=np.int64)[None, :] * sx
+        self.cell_origin = (rows + cols).reshape(-1)
+        self.num_dst = len(self.cell_origin)
+        self.num_src = h * w - self.num_dst
+        slot = np.arange(self.slots, dtype=np.int64)
+        self.slot_offset = (slot // sx) * w + (slot % sx)
+        is_dst = np.zeros(h * w, dtype=bool)
+        is_dst[self.cell_origin] = True
+        self.top_left = np.concatenate([np.flatnonzero(~is_dst), self.cell_origin]).astype(np.int64)
+        grid_salt = _mix31_int(h * 0x10001 + w * 0x101 + sx * 0x11 + sy)
+        cells = np.arange(self.num_dst, dtype=np.int64)
+        self.cell_key = (cells * _W_CELL + grid_salt) & _MASK31
+        # for every grid position: its cell and its slot in the cell (leftover positions: cell 0, slot -1)
+        ys, xs = np.divmod(np.arange(h * w, dtype=np.int64), w)
+        inside = (ys < (h // sy) * sy) & (xs < (w // sx) * sx)
+        self.cell_of = np.where(inside, (ys // sy) * (w // sx) + xs // sx, 0)
+        self.slot_of = np.where(inside, (ys % sy) * sx + xs % sx, -1)
+
+    def tensors(self) -> Dict[str, paddle.Tensor]:
+        key = ("grid", self.h, self.w, self.sx, self.sy)
+        return _CACHE.get(key, lambda: {
+            "top_left": _const(self.top_left),
+            "cell_key": _const(self.cell_key[None, :]),
+            "cell_of": _const(self.cell_of),
+            "slot_of": _const(self.slot_of[None, :]),
+            "slots": _const(self.slots),
+        })
+
+
 @functools.lru_cache(maxsize=64)
-def _grid_geometry(h: int, w: int, sx: int, sy: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Cached per resolution: top-left position of every full sy x sx cell, the in-cell (dy*w + dx) offset of each
-    cell slot, and the top-left partition's src positions."""
-    hsy, wsx = h // sy, w // sx
-    rows = np.arange(hsy, dtype=np.int64)[:, None] * (sy * w)
-    cols = np.arange(wsx, dtype=np.int64)[None, :] * sx
-    cell_origin = (rows + cols).reshape(-1)
-    slot = np.arange(sy * sx, dtype=np.int64)
-    slot_offset = (slot // sx) * w + (slot % sx)
-    is_dst = np.zeros(h * w, dtype=bool)
-    is_dst[cell_origin] = True
-    src_top_left = np.flatnonzero(~is_dst).astype(np.int64)
-    for arr in (cell_origin, slot_offset, src_top_left):
-        arr.flags.writeable = False
-    return cell_origin, slot_offset, src_top_left
+def _grid(h: int, w: int, sx: int, sy: int) -> _Grid:
+    return _Grid(h, w, sx, sy)
 
 
-def _as_generator(generator: GeneratorLike) -> np.random.Generator:
+def _cell_count(h: int, w: int, sx: int, sy: int) -> int:
+    return (h // sy) * (w // sx)
+
+
+def partition_table(h: int, w: int, sx: int, sy: int, step: paddle.Tensor, seed: int, blocks: int) -> paddle.Tensor:
+    """Random partitions of an ``h x w`` grid for ``blocks`` blocks at once: an int64 ``[max(blocks, 2), h*w]``
+    tensor whose row ``i`` lists the grid positions of block ``i`` in partition order (src in increasing position,
+    then dst). Each full ``sy x sx`` cell holds one dst, drawn uniformly from a hash of ``(seed, block, grid,
+    step, cell)``; leftover rows and columns are src.
+
+    ``step`` is a 0-d int64 tensor (see :func:`step_key`). Everything runs on the device; a table of one block
+    still has two rows, so the sort below never takes Paddle's synchronising single-row GPU path.
+
+    >>> import paddle
+    >>> table = partition_table(4, 4, 2, 2, step_key(999), seed=0, blocks=1)
+    >>> table.shape, sorted(table[0].numpy().tolist()) == list(range(16))
+    ([2, 16], True)
+    """
+    grid = _grid(int(h), int(w), int(sx), int(sy))
+    rows = max(int(blocks), 2)
+    if grid.num_dst == 0:
+        return _CACHE.get(("top_left_rows", h, w, sx, sy, rows), lambda: _const(np.tile(grid.top_left, (rows, 1))))
+    c, t = _hash_constants(), grid.tensors()
+    salts = _CACHE.get(("salts", int(seed), rows), lambda: _const(
+        [[(int(seed) * _W_SEED + b * _W_BLOCK) & _MASK31] for b in range(rows)]
+    ))
+    x = paddle.bitwise_and(step * c["step"] + salts + t["cell_key"], c["mask"])  # [rows, Nd]
+    slot = paddle.remainder(_mix31(x, c), t["slots"])  # the dst slot of every cell
+    is_dst = paddle.equal(paddle.gather(slot, t["cell_of"], axis=1), t["slot_of"]).astype("int32")  # [rows, N]
+    return paddle.argsort(is_dst, axis=1, stable=True)  # src (flag 0) first, then dst, each in position order
+
+
+def _generator_seed(generator: GeneratorLike) -> int:
+    """The partition seed a ``generator`` stands for: its next 31-bit draw (an int seeds a numpy Generator first,
+    so ``5`` and ``np.random.default_rng(5)`` give the same partition)."""
+    if isinstance(generator, (int, np.integer)) and not isinstance(generator, bool):
+        generator = np.random.default_rng(int(generator))
     if isinstance(generator, np.random.Generator):
-        return generator
-    if generator is None or isinstance(generator, (int, np.integer)):
-        return np.random.default_rng(generator)
+        return int(generator.integers(0, _MASK31))
+    if generator is None:
+        return _random.SystemRandom().randrange(_MASK31)
     raise TypeError(
         f"generator must be None, an int seed or a numpy.random.Generator, got {type(generator).__name__}"
     )
@@ -123,13 +323,12 @@ def _as_generator(generator: GeneratorLike) -> np.random.Generator:
 def grid_partition(
     h: int, w: int, sx: int, sy: int, no_rand: bool = True, generator: GeneratorLike = None
 ) -> Tuple[np.ndarray, np.ndarray]:
-    """Split an ``h x w`` token grid into src and dst positions (row-major token indices).
+    """Split an ``h x w`` token grid into src and dst positions (row-major token indices), on the host.
 
-    Every full ``sy x sx`` cell holds exactly one dst token: its top-left token when ``no_rand``, otherwise one drawn
-    uniformly inside the cell from ``generator`` (a numpy Generator or seed, never Paddle's global RNG). Rows and
-    columns left over when ``h``/``w`` are not multiples of ``sy``/``sx`` are all src.
-
-    Returns ``(src_pos, dst_pos)``: dst in cell order, src in increasing position order.
+    Every full ``sy x sx`` cell holds exactly one dst token: its top-left token when ``no_rand``, otherwise the one
+    :func:`bipartite_soft_matching_random2d` draws for the same ``generator`` (an int seed or a numpy Generator;
+    Paddle's global RNG is never used). Rows and columns left over when ``h``/``w`` are not multiples of
+    ``sy``/``sx`` are all src. Returns ``(src_pos, dst_pos)``, src in increasing position order.
 
     >>> src, dst = grid_partition(4, 4, 2, 2)
     >>> dst.tolist()
@@ -137,49 +336,131 @@ def grid_partition(
     >>> len(src)
     12
     """
-    cell_origin, slot_offset, src_top_left = _grid_geometry(int(h), int(w), int(sx), int(sy))
-    if no_rand or len(cell_origin) == 0:
-        return src_top_left, cell_origin
-    slots = _as_generator(generator).integers(0, sy * sx, size=len(cell_origin))
-    dst_pos = cell_origin + slot_offset[slots]
-    is_dst = np.zeros(h * w, dtype=bool)
-    is_dst[dst_pos] = True
-    return np.flatnonzero(~is_dst).astype(np.int64), dst_pos
+    h, w, sx, sy = int(h), int(w), int(sx), int(sy)
+    if _cell_count(h, w, sx, sy) == 0:
+        return np.arange(h * w, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    grid = _grid(h, w, sx, sy)
+    if no_rand:
+        order = grid.top_left
+    else:
+        seed = _generator_seed(generator)
+        order = partition_table(h, w, sx, sy, paddle.full([], 0, dtype="int64"), seed, 1)[0].numpy()
+    return order[: grid.num_src].copy(), order[grid.num_src :].copy()
 
 
-def _rows_in_work_dtype(x: paddle.Tensor) -> Tuple[paddle.Tensor, str]:
-    """``x`` as ``[rows, channels]`` in the dtype merge arithmetic runs in (see :func:`compute_dtype`)."""
-    work = compute_dtype(x.dtype)
-    flat = x.reshape([-1, x.shape[-1]])
-    return (flat if _dtype_name(x.dtype) == work else flat.astype(work)), work
+# Per-batch index helpers --------------------------------------------------------------------------------------------
+def _batch_tables(batch: int, num_tokens: int, merged_tokens: int, kept: int, like: paddle.Tensor) -> Dict[str, Any]:
+    """Row offsets a plan of ``batch`` items needs: ``off_n`` (first row of each item in the input), ``off_dst``
+    (row of each item's first dst in the merged output), ``rows_m`` (every merged row) and columns of ones for
+    the group counts. Cached per batch size
+    in eager mode; built from the tensor's runtime shape while tracing (a dynamic batch is ``-1`` there)."""
+
+    def build() -> Dict[str, Any]:
+        count = paddle.shape(like)[0] if batch < 0 else batch
+        items = paddle.arange(count, dtype="int64").unsqueeze(-1)
+        rows_m = paddle.arange(count * merged_tokens, dtype="int64")
+        return {
+            "off_n": items * num_tokens,
+            "off_dst": items * merged_tokens + kept,
+            "rows_m": rows_m,
+            "ones_m": paddle.ones_like(rows_m, dtype="float32").unsqueeze(-1),
+            "ones_r": paddle.ones([count * (num_tokens - merged_tokens), 1], dtype="float32"),
+        }
+
+    if batch < 0:
+        return build()
+    return _CACHE.get(("batch", batch, num_tokens, merged_tokens, kept), build)
+
+
+def _unit_rows(metric: paddle.Tensor) -> paddle.Tensor:
+    """``metric`` as float32 unit vectors along the last axis, computed scale-free: each token is first divided by
+    its largest absolute value, so neither the square of 1e30 nor that of 1e-30 leaves float32. Tokens that are
+    all zero or hold NaN or inf come out as zero vectors (similarity 0 to every token), never NaN."""
+    m = metric.detach()
+    if _dtype_name(m.dtype) != "float32":
+        m = m.astype("float32")
+    m = m / paddle.linalg.norm(m, p=float("inf"), axis=-1, keepdim=True)  # 0/0 and x/inf give NaN: cleared below
+    m = m / paddle.linalg.norm(m, p=2, axis=-1, keepdim=True)
+    return paddle.where(paddle.isfinite(m), m, 0.0)
 
 
 class MergePlan:
-    """The result of matching: how to merge ``[B, N, C]`` tokens to ``[B, N - r, C]`` and back.
+    """How to merge ``[B, N, C]`` tokens to ``[B, N - r, C]`` and back; build one with :meth:`from_matching`.
 
     It unpacks as ``merge, unmerge = plan``. With ``r == 0`` both are identities.
 
-    Attributes: ``r`` (tokens removed per item), ``num_tokens`` (N), ``batch_size`` (B), and, for plans with
-    ``r > 0``, ``src_pos``/``dst_pos`` (the partition, shared by the batch) and ``merged_pos``/``merged_into``
-    (``[B, r]``: which grid position each merged src came from, and the grid position of the dst it joined).
+    Attributes: ``r`` (tokens removed per item), ``num_tokens`` (N), ``batch_size`` (B, ``-1`` while tracing a
+    dynamic batch), ``kind`` (``"cpu"`` or ``"gpu"`` kernels), and, for plans with ``r > 0``, ``src_pos``/``dst_pos``
+    (the partition, ``[Ns]``/``[Nd]``), ``merged_pos`` and ``merged_into`` (``[B, r]``: the grid position of each
+    merged src, and of the dst it joined).
     """
 
-    def __init__(self, num_tokens: int, batch_size: int, r: int = 0):
+    def __init__(self, num_tokens: int, batch_size: int, r: int = 0, kind: str = "cpu"):
         self.num_tokens = int(num_tokens)
         self.batch_size = int(batch_size)
-        self.r = int(r)
-        self.src_pos: Optional[paddle.Tensor] = None
-        self.dst_pos: Optional[paddle.Tensor] = None
-        self.merged_pos: Optional[paddle.Tensor] = None
-        self.merged_into: Optional[paddle.Tensor] = None
-        # flat row indices, filled by _build
-        self._keep_rows: Optional[paddle.Tensor] = None
-        self._src_rows: Optional[paddle.Tensor] = None
-        self._into_rows: Optional[paddle.Tensor] = None
-        self._target_rows: Optional[paddle.Tensor] = None
-        self._src_scale: Optional[paddle.Tensor] = None
-        self._unmerge_rows: Optional[paddle.Tensor] = None
+        self.r = max(int(r), 0)
+        self.kind = kind
+        self.num_src = 0
+        self.partition: Optional[paddle.Tensor] = None  # [N] grid positions in partition order
+        self.merged_idx: Optional[paddle.Tensor] = None  # [B, r] partition slot of each merged src
+        self.merged_dst: Optional[paddle.Tensor] = None  # [B, r] dst slot it joined
+        self.tables: Dict[str, paddle.Tensor] = {}
 
+    # construction ---------------------------------------------------------------------------------------------
+    @classmethod
+    def from_matching(
+        cls, metric: paddle.Tensor, partition: paddle.Tensor, num_src: int, r: int, kind: Optional[str] = None
+    ) -> "MergePlan":
+        """Match the src of ``partition`` (``[N]`` grid positions: ``num_src`` src, then the dst) to their most
+        similar dst by cosine similarity of ``metric`` (``[B, N, C]``) and plan the merge of the ``r`` src with the
+        highest similarity into their dst (``0 < r <= num_src``)."""
+        kind = kind or device_kind(metric)
+        num_tokens, batch = int(metric.shape[1]), int(metric.shape[0])
+        plan = cls(num_tokens, batch, r, kind)
+        plan.partition, plan.num_src = partition, int(num_src)
+        num_dst = num_tokens - num_src
+        with paddle.no_grad():
+            src, dst = paddle.split(paddle.gather(_unit_rows(metric), partition, axis=1), [num_src, num_dst], axis=1)
+            scores = paddle.matmul(src, dst, transpose_y=True)  # [B, Ns, Nd] cosine similarities
+            best, best_dst = scores.max(axis=-1), scores.argmax(axis=-1)
+            # dst rank last (-inf), so one stable sort yields [merged src | kept src | dst]; on a GPU a spare row
+            # keeps Paddle's argsort off its synchronising single-row path
+            pad = [0, 1 if kind == "gpu" else 0, 0, num_dst]
+            order = paddle.argsort(F.pad(best, pad, value=-float("inf")), axis=-1, descending=True, stable=True)
+            if kind == "gpu":
+                order = order[:-1]
+            plan._build(order, best_dst)
+        return plan
+
+    def _build(self, order: paddle.Tensor, best_dst: paddle.Tensor) -> None:
+        """Turn the sorted src slots into flat row tables (rows of ``[B*N, C]`` inputs and ``[B*M, C]`` outputs)."""
+        n, r = self.num_tokens, self.r
+        m = n - r
+        self.merged_idx, keep_idx = paddle.split(order, [r, m], axis=1)
+        self.merged_dst = paddle.take_along_axis(best_dst, self.merged_idx, axis=1, broadcast=False)
+        b = _batch_tables(self.batch_size, n, m, self.num_src - r, order)
+        flat_partition = (self.partition + b["off_n"]).reshape([-1])
+        keep_rows = paddle.gather(flat_partition, (keep_idx + b["off_n"]).reshape([-1]))
+        src_rows = paddle.gather(flat_partition, (self.merged_idx + b["off_n"]).reshape([-1]))
+        target_rows = (self.merged_dst + b["off_dst"]).reshape([-1])
+        # unmerge: for every input row, the merged row that holds it; every row is written exactly once, so the
+        # scatter has no conflicts (and the tensor it starts from does not matter)
+        positions = paddle.concat([keep_rows, src_rows])
+        unmerge_rows = paddle.scatter(positions, positions, paddle.concat([b["rows_m"], target_rows]))
+        # group sizes 1 + k counted with exact float adds of 1 (order-free, so deterministic on any device); each
+        # input row is scaled by 1/(1 + k) of the group it ends in (1 for kept src)
+        counts = paddle.index_add(b["ones_m"], target_rows, 0, b["ones_r"])
+        self.tables = {
+            "keep_rows": keep_rows,
+            "src_rows": src_rows,
+            "target_rows": target_rows,
+            "unmerge_rows": unmerge_rows,
+            "row_scale": paddle.gather(paddle.reciprocal(counts), unmerge_rows),
+        }
+        if self.kind == "gpu":
+            self.tables["onehot"] = F.one_hot(self.merged_dst, n - self.num_src)
+
+    # description ------------------------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Callable]:
         return iter((self.merge, self.unmerge))
 
@@ -187,7 +468,7 @@ class MergePlan:
         return 2
 
     def __repr__(self) -> str:
-        return f"MergePlan(batch_size={self.batch_size}, num_tokens={self.num_tokens}, r={self.r})"
+        return f"MergePlan(batch_size={self.batch_size}, num_tokens={self.num_tokens}, r={self.r}, kind={self.kind!r})"
 
     @property
     def is_identity(self) -> bool:
@@ -196,10 +477,37 @@ class MergePlan:
     @property
     def merged_tokens(self) -> int:
         """Tokens per item after ``merge``: ``N - r``."""
-        return self.num_tokens - max(self.r, 0)
+        return self.num_tokens - self.r
 
+    @property
+    def src_pos(self) -> Optional[paddle.Tensor]:
+        """``[Ns]`` grid positions of the src tokens (None for an identity plan)."""
+        return None if self.partition is None else self.partition[: self.num_src]
+
+    @property
+    def dst_pos(self) -> Optional[paddle.Tensor]:
+        """``[Nd]`` grid positions of the dst tokens (None for an identity plan)."""
+        return None if self.partition is None else self.partition[self.num_src :]
+
+    @property
+    def merged_pos(self) -> Optional[paddle.Tensor]:
+        """``[B, r]`` grid position of every merged src (None for an identity plan)."""
+        if self.merged_idx is None:
+            return None
+        return paddle.take_along_axis(self.partition.unsqueeze(0), self.merged_idx, axis=1)
+
+    @property
+    def merged_into(self) -> Optional[paddle.Tensor]:
+        """``[B, r]`` grid position of the dst each merged src joined (None for an identity plan)."""
+        if self.merged_dst is None:
+            return None
+        return paddle.take_along_axis(self.dst_pos.unsqueeze(0), self.merged_dst, axis=1)
+
+    # application ------------------------------------------------------------------------------------------------
     def _check(self, x: paddle.Tensor, tokens: int, what: str) -> None:
-        if x.ndim != 3 or x.shape[0] != self.batch_size or x.shape[1] != tokens:
+        batch = x.shape[0] if x.ndim == 3 else None
+        same_batch = batch == self.batch_size or self.batch_size < 0 or (batch is not None and batch < 0)
+        if x.ndim != 3 or not same_batch or x.shape[1] != tokens:
             raise ValueError(
                 f"{what} expects a [batch={self.batch_size}, tokens={tokens}, channels] tensor, got shape {list(x.shape)}"
             )
@@ -208,20 +516,38 @@ class MergePlan:
         """Merge ``x`` of shape ``[B, N, C]`` into ``[B, N - r, C]``.
 
         ``mode="mean"`` averages each dst with the src merged into it (the ToMe SD rule); ``"sum"`` adds them.
-        Arithmetic runs in :func:`compute_dtype`; the result has ``x``'s dtype.
+        Arithmetic runs in :func:`compute_dtype`; the result has ``x``'s dtype. The mean is formed as
+        ``dst/(1+k) + sum(src/(1+k))``, a convex combination, so it is finite wherever the inputs are.
         """
         if mode not in _MERGE_MODES:
             raise ValueError(f"mode must be one of {_MERGE_MODES}, got {mode!r}")
         self._check(x, self.num_tokens, "merge")
         if self.is_identity:
             return x
-        flat, work = _rows_in_work_dtype(x)
-        out = paddle.gather(flat, self._keep_rows)
-        src = paddle.gather(flat, self._src_rows)
-        if mode == "mean":  # dst + sum(src - dst) / (1 + k) == (dst + sum(src)) / (1 + k)
-            src = (src - paddle.gather(flat, self._into_rows)) * self._src_scale.astype(work)
-        out = paddle.index_add(out, self._target_rows, 0, src)
-        return out.astype(x.dtype).reshape([self.batch_size, self.merged_tokens, x.shape[-1]])
+        channels, work, t = x.shape[-1], compute_dtype(x.dtype), self.tables
+        flat = x.reshape([-1, channels])
+        if _dtype_name(x.dtype) != work:
+            flat = flat.astype(work)
+        if mode == "mean":
+            flat = flat * (t["row_scale"] if work == "float32" else t["row_scale"].astype(work))
+        kept = paddle.gather(flat, t["keep_rows"])
+        src = paddle.gather(flat, t["src_rows"])
+        if self.kind == "gpu":
+            out = self._add_by_matmul(kept, src, channels)
+        else:
+            out = paddle.index_add(kept, t["target_rows"], 0, src)
+        return out.astype(x.dtype).reshape([-1, self.merged_tokens, channels])
+
+    def _add_by_matmul(self, kept: paddle.Tensor, src: paddle.Tensor, channels: int) -> paddle.Tensor:
+        """Add every merged src row onto its dst row with a one-hot ``[B, r, Nd]`` matmul: a fixed summation order,
+        so no float atomics and bit-identical results run to run."""
+        num_dst, m = self.num_tokens - self.num_src, self.merged_tokens
+        onehot = self.tables["onehot"]
+        if onehot.dtype != src.dtype:
+            onehot = onehot.astype(src.dtype)
+        sums = paddle.matmul(onehot, src.reshape([-1, self.r, channels]), transpose_x=True)  # [B, Nd, C]
+        sums = F.pad(sums, [0, 0, m - num_dst, 0, 0, 0])  # zeros for the kept src rows
+        return kept + sums.reshape([-1, channels])
 
     def unmerge(self, y: paddle.Tensor) -> paddle.Tensor:
         """Map ``y`` of shape ``[B, N - r, C]`` back to ``[B, N, C]``: every token gets the row it was merged into
@@ -229,9 +555,13 @@ class MergePlan:
         self._check(y, self.merged_tokens, "unmerge")
         if self.is_identity:
             return y
-        flat, _ = _rows_in_work_dtype(y)  # (Paddle's CPU build has no half-precision gather; the round trip is exact)
-        out = paddle.gather(flat, self._unmerge_rows)
-        return out.astype(y.dtype).reshape([self.batch_size, self.num_tokens, y.shape[-1]])
+        channels = y.shape[-1]
+        flat = y.reshape([-1, channels])
+        work = compute_dtype(y.dtype) if self.kind == "cpu" else _dtype_name(y.dtype)
+        if _dtype_name(y.dtype) != work:  # Paddle's CPU build has no half-precision gather; the round trip is exact
+            flat = flat.astype(work)
+        out = paddle.gather(flat, self.tables["unmerge_rows"])
+        return out.astype(y.dtype).reshape([-1, self.num_tokens, channels])
 
 
 def bipartite_soft_matching_random2d(
@@ -243,18 +573,25 @@ def bipartite_soft_matching_random2d(
     r: int,
     no_rand: bool = False,
     generator: GeneratorLike = None,
+    partition: Optional[paddle.Tensor] = None,
+    kind: Optional[str] = None,
 ) -> MergePlan:
     """Plan the merge of ``r`` src tokens into their most similar dst tokens (ToMe SD, Bolya & Hoffman 2023).
 
     Args:
         metric: ``[B, N, C]`` tokens whose cosine similarity decides the matching (``N == h * w``). Any float
-            dtype; similarity is always computed in float32, and an all-zero token gives similarity 0, not NaN.
+            dtype; similarity is computed scale-free in float32; tokens that are all zero or not finite count as
+            zero vectors (similarity 0), never NaN.
         w, h: the token grid, row-major.
-        sx, sy: stride of the dst grid: one dst per ``sy x sx`` cell (see :func:`grid_partition`).
+        sx, sy: stride of the dst grid: one dst per ``sy x sx`` cell (see :func:`grid_partition`). A cell larger
+            than the grid means no dst, and an identity plan at no cost.
         r: src tokens to merge per batch item; capped at the number of src tokens; ``r <= 0`` gives identities.
         no_rand: take the top-left token of each cell as dst instead of a random one.
-        generator: numpy Generator or int seed for the random dst choice (Paddle's global RNG is never used).
+        generator: int seed or numpy Generator that keys the random dst choice (Paddle's global RNG is never used);
             ``None`` draws fresh OS entropy. The partition is shared by the whole batch.
+        partition: a precomputed ``[N]`` row of :func:`partition_table` (overrides ``no_rand``/``generator``);
+            this is how the model glue passes partitions drawn on the device.
+        kind: ``"cpu"`` or ``"gpu"`` kernels; default from ``metric``'s place (see :func:`device_kind`).
 
     Returns:
         A :class:`MergePlan`; ``merge, unmerge = bipartite_soft_matching_random2d(...)`` works.
@@ -268,76 +605,22 @@ def bipartite_soft_matching_random2d(
     """
     if metric.ndim != 3:
         raise ValueError(f"metric must be [batch, tokens, channels], got shape {list(metric.shape)}")
-    batch, num_tokens, _ = metric.shape
+    batch, num_tokens = int(metric.shape[0]), int(metric.shape[1])
     if h * w != num_tokens:
         raise ValueError(f"h * w must equal the token count: {h} * {w} != {num_tokens}")
     if sx < 1 or sy < 1:
         raise ValueError(f"sx and sy must be >= 1, got sx={sx}, sy={sy}")
-    r = int(r)
-    if r <= 0:
-        return MergePlan(num_tokens, batch)
-
-    src_np, dst_np = grid_partition(h, w, sx, sy, no_rand=no_rand, generator=None if no_rand else _as_generator(generator))
-    num_dst = len(dst_np)
-    num_src = num_tokens - num_dst
-    r = min(r, num_src)
+    num_dst = _cell_count(h, w, sx, sy)
+    r = min(int(r), num_tokens - num_dst)
     if num_dst == 0 or r <= 0:
         return MergePlan(num_tokens, batch)
-
-    plan = MergePlan(num_tokens, batch, r)
-    with paddle.no_grad():
-        src_pos = paddle.to_tensor(src_np)
-        dst_pos = paddle.to_tensor(dst_np)
-        m = metric.detach()
-        if _dtype_name(m.dtype) != "float32":
-            m = m.astype("float32")
-        inv_norm = 1.0 / paddle.clip(paddle.square(m).sum(axis=-1).sqrt(), min=_NORM_EPS)  # [B, N]
-        a = paddle.gather(m, src_pos, axis=1)  # [B, Ns, C], left unnormalized
-        b = paddle.gather(m, dst_pos, axis=1) * paddle.gather(inv_norm, dst_pos, axis=1).unsqueeze(-1)
-        # One [Ns, Nd] score matrix per item: on CPU faster than a batched matmul, and only one is alive at a time.
-        row_start = paddle.arange(num_src, dtype="int64") * num_dst
-        best_dst, best = [], []
-        for item in range(batch):
-            scores = paddle.matmul(a[item], b[item], transpose_y=True)  # cosine similarity times |a|
-            choice = scores.argmax(axis=-1)  # scaling a row by 1/|a| > 0 does not change its argmax
-            best_dst.append(choice)
-            best.append(paddle.gather(scores.reshape([-1]), row_start + choice))  # (take_along_axis is slow)
-        best_dst = paddle.stack(best_dst)  # [B, Ns]
-        best = paddle.stack(best) * paddle.gather(inv_norm, src_pos, axis=1)  # cosine similarity
-        order = paddle.argsort(best, axis=-1, descending=True, stable=True)
-        unm_idx = order[:, r:]  # [B, Ns - r] src slots kept
-        mrg_idx = order[:, :r]  # [B, r] src slots merged
-        mrg_dst = paddle.take_along_axis(best_dst, mrg_idx, axis=-1)  # [B, r] dst slot of each merged src
-
-        kept = num_src - r
-        merged_tokens = num_tokens - r
-        unm_pos = paddle.gather(src_pos, unm_idx.reshape([-1])).reshape([batch, kept])
-        mrg_pos = paddle.gather(src_pos, mrg_idx.reshape([-1])).reshape([batch, r])
-        dst_b = dst_pos.unsqueeze(0).expand([batch, num_dst])
-        item = paddle.arange(batch, dtype="int64").unsqueeze(-1)
-
-        plan.src_pos, plan.dst_pos = src_pos, dst_pos
-        plan.merged_pos = mrg_pos
-        plan.merged_into = paddle.gather(dst_pos, mrg_dst.reshape([-1])).reshape([batch, r])
-
-        # merge: gather kept rows (unmerged src then dst), index_add merged src onto their dst rows
-        plan._keep_rows = (paddle.concat([unm_pos, dst_b], axis=1) + item * num_tokens).reshape([-1])
-        plan._src_rows = (mrg_pos + item * num_tokens).reshape([-1])
-        plan._into_rows = (plan.merged_into + item * num_tokens).reshape([-1])
-        target = mrg_dst + kept + item * merged_tokens  # row of the dst in the merged output
-        plan._target_rows = target.reshape([-1])
-        counts = paddle.ones([batch * merged_tokens], dtype="float32")
-        counts = paddle.index_add(counts, plan._target_rows, 0, paddle.ones([batch * r], dtype="float32"))
-        plan._src_scale = (1.0 / paddle.gather(counts, plan._target_rows)).unsqueeze(-1)
-
-        # unmerge: for every grid position, the merged-output row that now holds it
-        positions = paddle.concat([unm_pos, dst_b, mrg_pos], axis=1) + item * num_tokens
-        slot = paddle.arange(merged_tokens, dtype="int64").unsqueeze(0).expand([batch, merged_tokens])
-        rows = paddle.concat([slot, mrg_dst + kept], axis=1) + item * merged_tokens
-        plan._unmerge_rows = paddle.scatter(
-            paddle.zeros([batch * num_tokens], dtype="int64"), positions.reshape([-1]), rows.reshape([-1])
-        )
-    return plan
+    if partition is None:
+        if no_rand:
+            partition = _grid(int(h), int(w), int(sx), int(sy)).tensors()["top_left"]
+        else:
+            step = paddle.full([], 0, dtype="int64")
+            partition = partition_table(h, w, sx, sy, step, _generator_seed(generator), 1)[0]
+    return MergePlan.from_matching(metric, partition, num_tokens - num_dst, r, kind)
 
 
 # ToDo: token downsampling of keys and values (Smith et al. 2024) ----------------------------------------------------
@@ -361,8 +644,8 @@ def downsample_tokens(x: paddle.Tensor, h: int, w: int, factor: int, mode: str =
         raise ValueError(f"x must be [batch, h*w={h * w}, channels], got shape {list(x.shape)}")
     if factor == 1:
         return x
-    batch, channels = x.shape[0], x.shape[2]
-    grid = x.reshape([batch, h, w, channels])
+    channels = x.shape[2]
+    grid = x.reshape([-1, h, w, channels])  # one -1 only: the batch may be dynamic under to_static
     if mode == "nearest":
         out = grid[:, ::factor, ::factor, :]
     else:
@@ -371,7 +654,7 @@ def downsample_tokens(x: paddle.Tensor, h: int, w: int, factor: int, mode: str =
         out = paddle.nn.functional.avg_pool2d(
             grid, kernel_size=factor, stride=factor, ceil_mode=True, exclusive=True, data_format="NHWC"
         ).astype(x.dtype)
-    return out.reshape([batch, -1, channels])
+    return out.reshape([-1, -(-h // factor) * -(-w // factor), channels])
 
 
 class DownsamplePlan:

@@ -147,7 +147,7 @@ def test_all_zero_tokens_give_finite_outputs():
 
 def test_ties_are_handled_sanely():
     # every token points the same way: all similarities tie; the plan must still merge r tokens, each into a
-    # dst, and averaging identical tokens must give them back exactly
+    # dst, and averaging identical tokens must give them back (to float32 rounding: the mean is dst/(1+k) + ...)
     direction = np.random.default_rng(0).standard_normal(8).astype(np.float32)
     scales = np.random.default_rng(1).uniform(0.5, 2.0, size=(2, 64, 1)).astype(np.float32)
     metric = paddle.to_tensor(scales * direction)
@@ -158,7 +158,7 @@ def test_ties_are_handled_sanely():
     assert set(plan.merged_into.numpy().reshape(-1).tolist()) <= dst
     assert len(set(plan.merged_pos.numpy()[0].tolist())) == 40 and not set(plan.merged_pos.numpy()[0].tolist()) & dst
     same = paddle.to_tensor(np.tile(direction, (2, 64, 1)))
-    np.testing.assert_array_equal(unmerge(merge(same)).numpy(), same.numpy())
+    np.testing.assert_allclose(unmerge(merge(same)).numpy(), same.numpy(), rtol=42 * 2.0**-23, atol=0)  # k+1 roundings
 
 
 def test_each_merged_token_joins_its_most_similar_dst():
@@ -182,12 +182,12 @@ def test_batch_items_are_planned_independently():
     )
 
 
-def test_identical_tokens_merge_exactly():
+def test_identical_tokens_merge_to_themselves_within_two_ulp():
     x = paddle.to_tensor(np.full((2, 64, 8), 0.3, dtype=np.float32))
     metric = paddle.randn([2, 64, 8])
     merge, unmerge = bipartite_soft_matching_random2d(metric, 8, 8, 2, 2, 48, generator=0)
-    np.testing.assert_array_equal(merge(x).numpy(), np.full((2, 16, 8), 0.3, dtype=np.float32))
-    np.testing.assert_array_equal(unmerge(merge(x)).numpy(), x.numpy())
+    np.testing.assert_allclose(merge(x).numpy(), np.full((2, 16, 8), 0.3, dtype=np.float32), rtol=2.5e-7, atol=0)
+    np.testing.assert_allclose(unmerge(merge(x)).numpy(), x.numpy(), rtol=2.5e-7, atol=0)
 
 
 def test_sum_mode_adds_instead_of_averaging():

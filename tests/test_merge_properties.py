@@ -90,12 +90,14 @@ def test_shapes_round_trip_and_finiteness(case):
 @settings(max_examples=60, deadline=None)
 @with_edge_cases
 @given(merge_cases())
-def test_identical_tokens_merge_exactly(case):
+def test_identical_tokens_merge_to_themselves_within_rounding(case):
+    # the mean is the convex combination dst/(1+k) + sum(src/(1+k)): k+1 roundings at most
     _, x, _, plan = build(case)
     same = np.broadcast_to(x[:, :1, :], x.shape).copy()
     merged = plan.merge(paddle.to_tensor(same))
-    np.testing.assert_array_equal(merged.numpy(), same[:, : merged.shape[1]])
-    np.testing.assert_array_equal(plan.unmerge(merged).numpy(), same)
+    bound = (plan.r + 2) * 2.0**-23
+    np.testing.assert_allclose(merged.numpy(), same[:, : merged.shape[1]], rtol=bound, atol=0)
+    np.testing.assert_allclose(plan.unmerge(merged).numpy(), same, rtol=bound, atol=0)
 
 
 @settings(max_examples=60, deadline=None)
