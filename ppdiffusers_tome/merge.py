@@ -154,14 +154,16 @@ class _DeviceCache:
         self.size = size
         self.items: "OrderedDict[Any, Any]" = OrderedDict()
 
-    def get(self, key: Any, build: Callable[[], Any]) -> Any:
+    def get(self, key: Any, build: Callable[..., Any], *args: Any) -> Any:
+        """``build(*args)``, computed once per ``key`` and place. (Arguments instead of closures: Paddle's SOT
+        tracer cannot follow closure cells.)"""
         if tracing():
-            return build()
+            return build(*args)
         key = (key, str(paddle.device.get_device()))
         if key in self.items:
             self.items.move_to_end(key)
             return self.items[key]
-        value = self.items[key] = build()
+        value = self.items[key] = build(*args)
         if len(self.items) > self.size:
             self.items.popitem(last=False)
         return value
@@ -184,20 +186,27 @@ _MULTIPLIERS = (0x2C1B3C6D, 0x297A2D39)
 _W_STEP, _W_BLOCK, _W_SEED, _W_CELL = 0x5BD1E995 & _MASK31, 0x1B873593, 0x68E31DA4, 0x3C6EF372 | 1
 
 
+def _build_hash_constants() -> Dict[str, paddle.Tensor]:
+    # every operand a device tensor: a Python scalar operand would be uploaded at each call (a sync on a GPU)
+    return {
+        "mask": _const(_MASK31), "m1": _const(_MULTIPLIERS[0]), "m2": _const(_MULTIPLIERS[1]),
+        "step": _const(_W_STEP), "s15": _const(15), "s16": _const(16), "zero": _const(0.0, "float32"),
+    }
+
+
 def _hash_constants() -> Dict[str, paddle.Tensor]:
-    return _CACHE.get("hash", lambda: {
-        "mask": _const(_MASK31), "m1": _const(_MULTIPLIERS[0]), "m2": _const(_MULTIPLIERS[1]), "step": _const(_W_STEP),
-    })
+    return _CACHE.get("hash", _build_hash_constants)
 
 
 def _mix31(x: paddle.Tensor, c: Dict[str, paddle.Tensor]) -> paddle.Tensor:
     """Avalanche a tensor of int64 values in [0, 2**31) (two xor-shift-multiply rounds, as in MurmurHash3's
     finaliser, on 31 bits)."""
-    x = paddle.bitwise_xor(x, x >> 16)
+    shift = paddle.bitwise_right_shift
+    x = paddle.bitwise_xor(x, shift(x, c["s16"]))
     x = paddle.bitwise_and(x * c["m1"], c["mask"])
-    x = paddle.bitwise_xor(x, x >> 15)
+    x = paddle.bitwise_xor(x, shift(x, c["s15"]))
     x = paddle.bitwise_and(x * c["m2"], c["mask"])
-    return paddle.bitwise_xor(x, x >> 16)
+    return paddle.bitwise_xor(x, shift(x, c["s16"]))
 
 
 def _mix31_int(x: int) -> int:
@@ -259,14 +268,18 @@ class _Grid:
         self.slot_of = np.where(inside, (ys % sy) * sx + xs % sx, -1)
 
     def tensors(self) -> Dict[str, paddle.Tensor]:
-        key = ("grid", self.h, self.w, self.sx, self.sy)
-        return _CACHE.get(key, lambda: {
-            "top_left": _const(self.top_left),
-            "cell_key": _const(self.cell_key[None, :]),
-            "cell_of": _const(self.cell_of),
-            "slot_of": _const(self.slot_of[None, :]),
-            "slots": _const(self.slots),
-        })
+        """The device copies of the tables (cached per place)."""
+        return _CACHE.get(("grid", self.h, self.w, self.sx, self.sy), _grid_tensors, self)
+
+
+def _grid_tensors(grid: "_Grid") -> Dict[str, paddle.Tensor]:
+    return {
+        "top_left": _const(grid.top_left),
+        "cell_key": _const(grid.cell_key[None, :]),
+        "cell_of": _const(grid.cell_of),
+        "slot_of": _const(grid.slot_of[None, :]),
+        "slots": _const(grid.slots),
+    }
 
 
 @functools.lru_cache(maxsize=64)
@@ -295,15 +308,17 @@ def partition_table(h: int, w: int, sx: int, sy: int, step: paddle.Tensor, seed:
     grid = _grid(int(h), int(w), int(sx), int(sy))
     rows = max(int(blocks), 2)
     if grid.num_dst == 0:
-        return _CACHE.get(("top_left_rows", h, w, sx, sy, rows), lambda: _const(np.tile(grid.top_left, (rows, 1))))
+        return _CACHE.get(("top_left_rows", h, w, sx, sy, rows), _const, np.tile(grid.top_left, (rows, 1)))
     c, t = _hash_constants(), grid.tensors()
-    salts = _CACHE.get(("salts", int(seed), rows), lambda: _const(
-        [[(int(seed) * _W_SEED + b * _W_BLOCK) & _MASK31] for b in range(rows)]
-    ))
+    salts = _CACHE.get(("salts", int(seed), rows), _const, _block_salts(int(seed), rows))
     x = paddle.bitwise_and(step * c["step"] + salts + t["cell_key"], c["mask"])  # [rows, Nd]
     slot = paddle.remainder(_mix31(x, c), t["slots"])  # the dst slot of every cell
     is_dst = paddle.equal(paddle.gather(slot, t["cell_of"], axis=1), t["slot_of"]).astype("int32")  # [rows, N]
     return paddle.argsort(is_dst, axis=1, stable=True)  # src (flag 0) first, then dst, each in position order
+
+
+def _block_salts(seed: int, rows: int) -> np.ndarray:
+    return np.array([[(seed * _W_SEED + b * _W_BLOCK) & _MASK31] for b in range(rows)], dtype=np.int64)
 
 
 def _generator_seed(generator: GeneratorLike) -> int:
@@ -350,26 +365,26 @@ def grid_partition(
 
 # Per-batch index helpers --------------------------------------------------------------------------------------------
 def _batch_tables(batch: int, num_tokens: int, merged_tokens: int, kept: int, like: paddle.Tensor) -> Dict[str, Any]:
-    """Row offsets a plan of ``batch`` items needs: ``off_n`` (first row of each item in the input), ``off_dst``
-    (row of each item's first dst in the merged output), ``rows_m`` (every merged row) and columns of ones for
-    the group counts. Cached per batch size
-    in eager mode; built from the tensor's runtime shape while tracing (a dynamic batch is ``-1`` there)."""
-
-    def build() -> Dict[str, Any]:
-        count = paddle.shape(like)[0] if batch < 0 else batch
-        items = paddle.arange(count, dtype="int64").unsqueeze(-1)
-        rows_m = paddle.arange(count * merged_tokens, dtype="int64")
-        return {
-            "off_n": items * num_tokens,
-            "off_dst": items * merged_tokens + kept,
-            "rows_m": rows_m,
-            "ones_m": paddle.ones_like(rows_m, dtype="float32").unsqueeze(-1),
-            "ones_r": paddle.ones([count * (num_tokens - merged_tokens), 1], dtype="float32"),
-        }
-
+    """Row tables a plan of ``batch`` items needs: ``off_n`` (first row of each item in the input), ``off_dst``
+    (row of each item's first dst in the merged output), ``rows_m`` (``[B, M]``: every merged row), and constant
+    columns for the scatter and the group counts. Cached per batch size in eager mode; built from the tensor's runtime shape
+    while tracing (a dynamic batch is ``-1`` there)."""
     if batch < 0:
-        return build()
-    return _CACHE.get(("batch", batch, num_tokens, merged_tokens, kept), build)
+        return _build_batch_tables(paddle.shape(like)[0], num_tokens, merged_tokens, kept)
+    return _CACHE.get(("batch", batch, num_tokens, merged_tokens, kept), _build_batch_tables, batch, num_tokens,
+                      merged_tokens, kept)
+
+
+def _build_batch_tables(count: Any, num_tokens: int, merged_tokens: int, kept: int) -> Dict[str, Any]:
+    items = paddle.arange(count, dtype="int64").unsqueeze(-1)
+    return {
+        "off_n": items * num_tokens,
+        "off_dst": items * merged_tokens + kept,
+        "rows_m": paddle.arange(merged_tokens, dtype="int64").unsqueeze(0) + items * merged_tokens,
+        "zeros_n": paddle.zeros([count * num_tokens], dtype="int64"),
+        "zeros_m": paddle.zeros([count * merged_tokens, 1], dtype="float32"),
+        "ones_n": paddle.ones([count * num_tokens, 1], dtype="float32"),
+    }
 
 
 def _unit_rows(metric: paddle.Tensor) -> paddle.Tensor:
@@ -381,7 +396,7 @@ def _unit_rows(metric: paddle.Tensor) -> paddle.Tensor:
         m = m.astype("float32")
     m = m / paddle.linalg.norm(m, p=float("inf"), axis=-1, keepdim=True)  # 0/0 and x/inf give NaN: cleared below
     m = m / paddle.linalg.norm(m, p=2, axis=-1, keepdim=True)
-    return paddle.where(paddle.isfinite(m), m, 0.0)
+    return paddle.where(paddle.isfinite(m), m, _hash_constants()["zero"])
 
 
 class MergePlan:
@@ -433,31 +448,25 @@ class MergePlan:
         return plan
 
     def _build(self, order: paddle.Tensor, best_dst: paddle.Tensor) -> None:
-        """Turn the sorted src slots into flat row tables (rows of ``[B*N, C]`` inputs and ``[B*M, C]`` outputs)."""
-        n, r = self.num_tokens, self.r
+        """Turn the sorted src slots into two tables over the ``B*N`` input rows: ``unmerge_rows`` (the merged row
+        each input row ends in) and ``row_scale`` (``1/(1+k)`` for a row in a group of ``1+k``, 1 for kept src)."""
+        n, r, kept = self.num_tokens, self.r, self.num_src - self.r
         m = n - r
-        self.merged_idx, keep_idx = paddle.split(order, [r, m], axis=1)
+        self.merged_idx = order[:, :r]
         self.merged_dst = paddle.take_along_axis(best_dst, self.merged_idx, axis=1, broadcast=False)
-        b = _batch_tables(self.batch_size, n, m, self.num_src - r, order)
-        flat_partition = (self.partition + b["off_n"]).reshape([-1])
-        keep_rows = paddle.gather(flat_partition, (keep_idx + b["off_n"]).reshape([-1]))
-        src_rows = paddle.gather(flat_partition, (self.merged_idx + b["off_n"]).reshape([-1]))
-        target_rows = (self.merged_dst + b["off_dst"]).reshape([-1])
-        # unmerge: for every input row, the merged row that holds it; every row is written exactly once, so the
-        # scatter has no conflicts (and the tensor it starts from does not matter)
-        positions = paddle.concat([keep_rows, src_rows])
-        unmerge_rows = paddle.scatter(positions, positions, paddle.concat([b["rows_m"], target_rows]))
-        # group sizes 1 + k counted with exact float adds of 1 (order-free, so deterministic on any device); each
-        # input row is scaled by 1/(1 + k) of the group it ends in (1 for kept src)
-        counts = paddle.index_add(b["ones_m"], target_rows, 0, b["ones_r"])
-        self.tables = {
-            "keep_rows": keep_rows,
-            "src_rows": src_rows,
-            "target_rows": target_rows,
-            "unmerge_rows": unmerge_rows,
-            "row_scale": paddle.gather(paddle.reciprocal(counts), unmerge_rows),
-        }
-        if self.kind == "gpu":
+        b = _batch_tables(self.batch_size, n, m, kept, order)
+        # input rows in sorted order per item: [merged src | kept src | dst]
+        rows = paddle.gather((self.partition + b["off_n"]).reshape([-1]), (order + b["off_n"]).reshape([-1]))
+        # ... and the merged row of each: its dst's row for a merged src, rows 0 .. M-1 of the item for the rest;
+        # every input row is written exactly once, so the scatter has no conflicts (its own base, not the index:
+        # a static program may write the output in place)
+        ends = paddle.concat([self.merged_dst + b["off_dst"], b["rows_m"]], axis=1).reshape([-1])
+        unmerge_rows = paddle.scatter(b["zeros_n"], rows, ends)
+        # group sizes 1 + k, counted with exact float adds of 1 (order-free, so deterministic on any device)
+        counts = paddle.index_add(b["zeros_m"], unmerge_rows, 0, b["ones_n"])
+        self.tables = {"unmerge_rows": unmerge_rows, "row_scale": paddle.gather(paddle.reciprocal(counts), unmerge_rows)}
+        if self.kind == "gpu":  # merge by matmul: the rows in sorted order, and a one-hot of the merged src's dst
+            self.tables["sorted_rows"] = rows
             self.tables["onehot"] = F.one_hot(self.merged_dst, n - self.num_src)
 
     # description ------------------------------------------------------------------------------------------------
@@ -530,24 +539,28 @@ class MergePlan:
             flat = flat.astype(work)
         if mode == "mean":
             flat = flat * (t["row_scale"] if work == "float32" else t["row_scale"].astype(work))
-        kept = paddle.gather(flat, t["keep_rows"])
-        src = paddle.gather(flat, t["src_rows"])
         if self.kind == "gpu":
-            out = self._add_by_matmul(kept, src, channels)
-        else:
-            out = paddle.index_add(kept, t["target_rows"], 0, src)
+            out = self._sum_by_matmul(flat, channels)
+        else:  # every input row added onto the merged row it ends in, in row order (CPU index_add is sequential)
+            if self.batch_size < 0:  # a dynamic batch while tracing
+                zeros = paddle.zeros([paddle.shape(x)[0] * self.merged_tokens, channels], dtype=work)
+            else:
+                shape = [self.batch_size * self.merged_tokens, channels]
+                zeros = _CACHE.get(("zeros", shape[0], channels, work), paddle.zeros, shape, work)
+            out = paddle.index_add(zeros, t["unmerge_rows"], 0, flat)
         return out.astype(x.dtype).reshape([-1, self.merged_tokens, channels])
 
-    def _add_by_matmul(self, kept: paddle.Tensor, src: paddle.Tensor, channels: int) -> paddle.Tensor:
-        """Add every merged src row onto its dst row with a one-hot ``[B, r, Nd]`` matmul: a fixed summation order,
-        so no float atomics and bit-identical results run to run."""
-        num_dst, m = self.num_tokens - self.num_src, self.merged_tokens
+    def _sum_by_matmul(self, flat: paddle.Tensor, channels: int) -> paddle.Tensor:
+        """The GPU kernel: gather the rows in sorted order, add every merged src onto its dst with a one-hot
+        ``[B, r, Nd]`` matmul. A fixed summation order: no float atomics, bit-identical results run to run."""
+        num_dst, m, r = self.num_tokens - self.num_src, self.merged_tokens, self.r
+        rows = paddle.gather(flat, self.tables["sorted_rows"]).reshape([-1, self.num_tokens, channels])
+        src, kept = paddle.split(rows, [r, m], axis=1)
         onehot = self.tables["onehot"]
         if onehot.dtype != src.dtype:
             onehot = onehot.astype(src.dtype)
-        sums = paddle.matmul(onehot, src.reshape([-1, self.r, channels]), transpose_x=True)  # [B, Nd, C]
-        sums = F.pad(sums, [0, 0, m - num_dst, 0, 0, 0])  # zeros for the kept src rows
-        return kept + sums.reshape([-1, channels])
+        sums = paddle.matmul(onehot, src, transpose_x=True)  # [B, Nd, C]
+        return (kept + F.pad(sums, [0, 0, m - num_dst, 0, 0, 0])).reshape([-1, channels])
 
     def unmerge(self, y: paddle.Tensor) -> paddle.Tensor:
         """Map ``y`` of shape ``[B, N - r, C]`` back to ``[B, N, C]``: every token gets the row it was merged into

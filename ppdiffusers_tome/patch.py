@@ -35,7 +35,16 @@ import paddle
 from ppdiffusers.models.attention import BasicTransformerBlock
 
 from .config import ToMeConfig, ratio_at, tokens_to_merge
-from .merge import DownsamplePlan, MergePlan, bipartite_soft_matching_random2d, find_downsample, max_ratio
+from .merge import (
+    DownsamplePlan,
+    MergePlan,
+    bipartite_soft_matching_random2d,
+    find_downsample,
+    max_ratio,
+    partition_table,
+    step_key,
+    tracing,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -102,19 +111,9 @@ class ToMeStaticGraphError(RuntimeError):
     """Raised when a ToMe option cannot be converted to a static graph (``paddle.jit.to_static``)."""
 
 
-def _tracing() -> bool:
-    """Whether this code is being converted to a static graph rather than run eagerly."""
-    if not paddle.in_dynamic_mode():
-        return True
-    try:
-        from paddle.base.dygraph.base import in_sot_simulation_mode, in_to_static_mode
-    except ImportError:  # pragma: no cover - older Paddle
-        return False
-    return bool(in_to_static_mode() or in_sot_simulation_mode())
-
-
 def _timestep_values(timestep: Any) -> Optional[np.ndarray]:
-    """The distinct timestep values of a call (float64, sorted), or None when there is none."""
+    """The distinct timestep values of a call (float64, sorted), or None when there is none. Reads the timestep on
+    the host: only options that need a Python number (a ratio schedule, plan caching) call this."""
     if timestep is None:
         return None
     if isinstance(timestep, paddle.Tensor):
@@ -150,8 +149,13 @@ class _CallContext(threading.local):
 
     def __init__(self) -> None:
         self.latent_hw: Optional[Tuple[int, int]] = None
+        self.timestep: Any = None  # as passed to the model (a device tensor stays on the device)
+        self.step_key: Any = None  # 0-d int64 device tensor made from it when a block first needs a partition
+        self.partitions: Dict[str, Any] = {}  # "<h>x<w>" -> partition table of every block at that grid
         self.timestep_key: Optional[Tuple[int, ...]] = None
         self.number = 0  # which call of the model this is (keys the partition when there is no timestep)
+        self.epoch = 0  # the state's reset count this thread's step history belongs to
+        self.saved: Any = None  # step history before the call in flight, restored if the call fails
         self.merged_blocks = 0
         self.finest_level: Optional[int] = None
         self.plans: Dict[int, MergePlan] = {}
@@ -168,23 +172,37 @@ class _CallContext(threading.local):
 class ToMeState:
     """Runtime state of one patched model: what the current forward call looks like (per thread), and counters.
 
-    The random partition of a block is drawn from a generator keyed by ``(seed, block, grid, timestep)``, so it
-    does not depend on how many calls came before, does not touch Paddle's RNG (on CPU or GPU), and is the same
-    for the prompted and unprompted halves of classifier-free guidance even when they arrive in separate calls.
-    (A model called without a timestep falls back to keying by the number of the call.)
+    The random partition of a block is a hash of ``(seed, block, grid, timestep, cell)`` computed on the device
+    from the timestep tensor (see :func:`ppdiffusers_tome.merge.partition_table`), so it does not depend on how
+    many calls came before, does not touch Paddle's RNG, reads nothing back to the host, and is the same for the
+    prompted and unprompted halves of classifier-free guidance even when they arrive in separate calls. (A model
+    called without a timestep falls back to keying by the number of the call.)
+
+    Thread safety: every call keeps its own record per thread; :meth:`reset` only drops counters and each thread's
+    step history (at that thread's next call), never a call in flight; :meth:`ModelPatch.remove` refuses to run
+    while a call is in flight.
     """
 
-    def __init__(self, config: ToMeConfig, train_timesteps: int = 1000):
+    def __init__(self, config: ToMeConfig, train_timesteps: int = 1000, num_blocks: int = 1):
         self.config = config
         self.train_timesteps = int(train_timesteps)
+        self.num_blocks = int(num_blocks)
         tome = config.method == "tome"
-        # what the hooks need to know about the timestep (reading it is a host sync, and breaks static graphs)
-        self.needs_timestep = tome and (config.use_rand or config.is_scheduled or config.caches_plans)
+        # only a ratio schedule (r is a shape) and plan caching (steps) need the timestep as a Python number;
+        # reading it is a device-to-host sync and cannot be traced into a static graph
+        self.reads_timestep = tome and (config.is_scheduled or config.caches_plans)
+        self.random = tome and config.use_rand
+        self.call = _CallContext()
+        self._lock = threading.Lock()
+        self.in_flight: Dict[int, int] = {}  # thread ident -> calls of this model running in that thread
+        self.epoch = 0
         self.reset()
 
     def reset(self) -> None:
-        """Forget everything about earlier calls (the counters and the cached plans too)."""
-        self.call = _CallContext()
+        """Forget what earlier calls left: counters, and every thread's step history and cached plans (each thread
+        drops its own at its next call). A call in flight in another thread is not disturbed."""
+        with self._lock:
+            self.epoch += 1
         self.calls = 0
         self.merges = 0  # sub-layer calls that ran on merged tokens, all calls together
         self.plans_computed = 0
@@ -194,11 +212,23 @@ class ToMeState:
 
     def __deepcopy__(self, memo) -> "ToMeState":
         # a copied model starts with the same counters and no call in flight (thread-locals cannot be copied)
-        twin = ToMeState(self.config, self.train_timesteps)
+        twin = ToMeState(self.config, self.train_timesteps, self.num_blocks)
         for name in ("calls", "merges", "plans_computed", "plans_reused", "warned_no_merge", "warned_timestep_range"):
             setattr(twin, name, getattr(self, name))
         memo[id(self)] = twin
         return twin
+
+    def __getstate__(self) -> Dict[str, Any]:
+        # pickle (multiprocessing with spawn, Ray, joblib) like deepcopy: settings and counters, no call in flight
+        # (the thread-local call record cannot be pickled, and its cached plans belong to this process's threads)
+        skipped = ("call", "_lock", "in_flight")
+        return {name: value for name, value in self.__dict__.items() if name not in skipped}
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.call = _CallContext()
+        self._lock = threading.Lock()
+        self.in_flight = {}
 
     # the current call, as seen from this thread
     @property
@@ -216,30 +246,46 @@ class ToMeState:
         return self.call.finest_level
 
     def begin_call(self, sample: Any, timestep: Any) -> None:
-        self.calls += 1
         call = self.call
+        if call.epoch != self.epoch:  # reset() since this thread's last call: forget its step history
+            call.epoch = self.epoch
+            call.step, call.slot, call.last_key, call.last_progress = -1, 0, None, None
+            call.cache.clear()
+        shape = getattr(sample, "shape", None)
+        latent_hw = (int(shape[-2]), int(shape[-1])) if shape is not None and len(shape) == 4 else None
+        if self.reads_timestep:
+            self._read_timestep(call, timestep)  # may raise: then nothing below has changed
+        self.calls += 1
         call.number = self.calls
         call.merged_blocks = 0
         call.finest_level = None
         call.plans.clear()
         call.active.clear()
-        shape = getattr(sample, "shape", None)
-        call.latent_hw = (int(shape[-2]), int(shape[-1])) if shape is not None and len(shape) == 4 else None
-        # the timestep keys the random partition, the ratio schedule and the plan cache; reading it would break
-        # static-graph tracing, so it is only read when one of them is on
-        if not self.needs_timestep:
-            call.timestep_key = None
-            return
-        if _tracing():
-            config = self.config
-            what = "use_rand=True" if config.use_rand else "a ratio schedule" if config.is_scheduled else "recompute_every"
+        call.partitions.clear()
+        call.latent_hw = latent_hw
+        call.timestep, call.step_key = timestep, None
+        ident = threading.get_ident()
+        with self._lock:
+            self.in_flight[ident] = self.in_flight.get(ident, 0) + 1
+
+    def _read_timestep(self, call: _CallContext, timestep: Any) -> None:
+        """The host-side part of a call for a ratio schedule or plan caching: the progress and the step count."""
+        if tracing():
+            what = "a ratio schedule" if self.config.is_scheduled else "recompute_every"
             raise ToMeStaticGraphError(
                 f"ToMe with {what} cannot be converted with paddle.jit.to_static: it reads the timestep at run time "
-                "(random partition per timestep, scheduled ratio, plan cache) and would be frozen into the program. "
-                "Apply ToMe with use_rand=False, a constant ratio and recompute_every=1 before converting."
+                "(the scheduled ratio decides how many tokens merge, a shape; the plan cache counts steps) and would "
+                "be frozen into the program. Use a constant ratio and recompute_every=1 before converting."
             )
         values = _timestep_values(timestep)
+        if values is not None and not np.isfinite(values).all():
+            raise ValueError(
+                f"ToMe got a timestep that is not finite ({values.tolist()}); a ratio schedule and plan caching need "
+                "a finite timestep. Check the scheduler's timesteps (NaN usually comes from an earlier numeric error)."
+            )
+        saved = (call.step, call.slot, call.last_key, call.last_progress, dict(call.cache))
         call.timestep_key = None if values is None else tuple(int(v) for v in values.view(np.uint64))
+        call.saved = saved
         progress = None
         if values is not None:  # the noisiest item of the batch decides
             progress = 1.0 - float(values[-1]) / self.train_timesteps
@@ -278,13 +324,33 @@ class ToMeState:
         call.last_key = key
         call.last_progress = progress
 
-    def end_call(self) -> None:
-        """Drop what only the call in flight may use (plans, size, timestep); the counters for reporting stay."""
+    def end_call(self, completed: bool = True) -> None:
+        """Drop what only the call in flight may use (plans, size, timestep); the counters for reporting stay. A call
+        that failed puts the step history back as it was before it, so running the same generation again gives
+        what a fresh model gives."""
         call = self.call
+        if not completed and call.saved is not None:
+            call.step, call.slot, call.last_key, call.last_progress, cache = call.saved
+            call.cache.clear()
+            call.cache.update(cache)
+        call.saved = None
         call.plans.clear()
         call.active.clear()
+        call.partitions.clear()
         call.latent_hw = None
-        call.timestep_key = None
+        call.timestep, call.step_key, call.timestep_key = None, None, None
+        ident = threading.get_ident()
+        with self._lock:
+            if self.in_flight.get(ident, 0) > 1:
+                self.in_flight[ident] -= 1
+            else:
+                self.in_flight.pop(ident, None)
+
+    def busy_elsewhere(self) -> int:
+        """How many calls of this model are running in other threads right now."""
+        ident = threading.get_ident()
+        with self._lock:
+            return sum(count for thread, count in self.in_flight.items() if thread != ident)
 
     def cached_plan(self, block_index: int, batch: int, grid_h: int, grid_w: int) -> Optional[MergePlan]:
         """The plan this block may reuse at the current step under ``recompute_every``, or None. A reused plan
@@ -305,13 +371,18 @@ class ToMeState:
         call = self.call
         call.cache[f"{block_index}/{call.slot}"] = (plan, call.step, (grid_h, grid_w))
 
-    def generator_for(self, block_index: int, grid_h: int, grid_w: int) -> np.random.Generator:
-        key_part = self.call.timestep_key
-        if key_part is not None:
-            key = [self.config.seed, block_index, grid_h, grid_w, 1, *key_part]
-        else:  # no timestep given: fall back to the number of this call (then the history does matter)
-            key = [self.config.seed, block_index, grid_h, grid_w, 0, self.call.number]
-        return np.random.default_rng(key)
+    def partition_for(self, block_index: int, grid_h: int, grid_w: int) -> Any:
+        """Block ``block_index``'s random partition of a ``grid_h x grid_w`` grid in the call in flight: a row of a
+        table drawn once per call and grid for every block, on the device, from the timestep tensor."""
+        call, key = self.call, f"{grid_h}x{grid_w}"
+        table = call.partitions[key] if key in call.partitions else None
+        if table is None:
+            if call.step_key is None:  # no timestep given: the number of this call (then the history does matter)
+                call.step_key = step_key(call.timestep if call.timestep is not None else call.number)
+            config = self.config
+            table = partition_table(grid_h, grid_w, config.sx, config.sy, call.step_key, config.seed, self.num_blocks)
+            call.partitions[key] = table
+        return table[block_index]
 
 
 class _HookCall:
@@ -344,6 +415,13 @@ class _HookRecord:
         else:
             handle = layer.register_forward_post_hook(hook, with_kwargs=True, always_call=True)
         self.hook_id = handle._hook_id
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        # unpickled in a fresh process: Paddle's hook-id counter starts again at 0 there, and the next hook
+        # registered would take this id and overwrite this hook in the layer's table
+        self.__dict__.update(state)
+        helper = paddle.nn.layer.layers.HookRemoveHelper
+        helper.next_hook_id = max(helper.next_hook_id, self.hook_id + 1)
 
     def remove(self) -> None:
         for table in self._TABLES[self.kind]:
@@ -441,7 +519,7 @@ class ModelPatch:
         self.model = model
         self.config = config
         self.train_timesteps = int(train_timesteps)
-        self.state = ToMeState(config, train_timesteps)
+        self.state = ToMeState(config, train_timesteps, num_blocks=len(find_blocks(model)))
         self.blocks: List[_BlockHooks] = []
         self._hooks: List[_HookRecord] = []
         self.auto_level = config.max_downsample == "auto"
@@ -496,10 +574,24 @@ class ModelPatch:
         while self._hooks:
             self._hooks.pop().remove()
 
+    def check_idle(self) -> None:
+        """Raise ``RuntimeError`` if another thread is running this model: taking hooks off (or swapping them)
+        half-way through its forward would leave merged tokens that are never unmerged."""
+        busy = self.state.busy_elsewhere()
+        if busy:
+            raise RuntimeError(
+                f"cannot change ToMe on {type(self.model).__name__} while {busy} forward call(s) of it are running in "
+                "other threads; apply_tome/remove_tome take effect between calls: wait for the calls to finish "
+                "(reset_tome is safe at any time)"
+            )
+
     def remove(self) -> None:
-        """Take every hook off and drop the patch attribute; the model is then exactly as before ``install``."""
+        """Take every hook off and drop the patch attribute; the model is then exactly as before ``install``.
+        Raises ``RuntimeError`` (and changes nothing) while another thread is running the model."""
+        self.check_idle()
         self._remove_hooks()
         self.state.end_call()
+        self.state.in_flight.clear()  # what is left belongs to this thread: calls that never reached their end
         self.blocks = []
         if self.model.__dict__.get(PATCH_ATTR) is self:
             del self.model.__dict__[PATCH_ATTR]
@@ -513,8 +605,9 @@ class ModelPatch:
 
     def _after_model(self, layer, args, kwargs, output):
         state, config = self.state, self.config
-        state.end_call()
-        if state.merged_blocks == 0 and self.fixed_ratio != 0 and not state.warned_no_merge and self.blocks:
+        completed = output is not None  # None when the forward raised (Paddle runs this hook anyway)
+        state.end_call(completed)
+        if completed and state.merged_blocks == 0 and self.fixed_ratio != 0 and not state.warned_no_merge and self.blocks:
             level, name = state.finest_level, "ToDo" if self.todo else "ToMe"
             message = None
             if level is None:
@@ -595,7 +688,8 @@ class ModelPatch:
     def make_plan(self, block_index: int, hidden: Any, grid_h: int, grid_w: int, r: int) -> MergePlan:
         """Match the block input ``hidden`` on its ``grid_h x grid_w`` grid and plan the merge of ``r`` tokens."""
         config = self.config
-        generator = self.state.generator_for(block_index, grid_h, grid_w) if config.use_rand else None
+        cells = (grid_h // config.sy) * (grid_w // config.sx)
+        partition = self.state.partition_for(block_index, grid_h, grid_w) if config.use_rand and cells else None
         return bipartite_soft_matching_random2d(
-            hidden, grid_w, grid_h, config.sx, config.sy, r, no_rand=not config.use_rand, generator=generator
+            hidden, grid_w, grid_h, config.sx, config.sy, r, no_rand=True, partition=partition
         )

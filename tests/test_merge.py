@@ -6,6 +6,7 @@ import numpy as np
 import paddle
 import pytest
 
+import ppdiffusers_tome.merge as merge_module
 from ppdiffusers_tome.merge import (
     DownsamplePlan,
     downsample_tokens,
@@ -326,3 +327,113 @@ def test_downsample_plan_counts_its_keys_and_rejects_bad_input():
         downsample_tokens(paddle.randn([1, 15, 3]), 4, 4, 2)
     x = paddle.randn([1, 16, 3])
     assert downsample_tokens(x, 4, 4, 1) is x
+
+
+# the device path (issue #10): GPU kernels run on CPU, keyed partition, scale-free matching --------------------------
+@pytest.fixture
+def gpu_kernels(monkeypatch):
+    """Run the GPU branch's logic (matmul merge, padded sort, no unmerge cast) on the CPU."""
+    monkeypatch.setattr(merge_module, "DEVICE_OVERRIDE", "gpu")
+
+
+@pytest.mark.parametrize("batch,h,w,sx,sy,r,no_rand", CASES)
+def test_gpu_kernels_match_the_numpy_reference_and_the_cpu_kernels(gpu_kernels, batch, h, w, sx, sy, r, no_rand):
+    src, dst = grid_partition(h, w, sx, sy, no_rand=no_rand, generator=7)
+    metric = tie_free_metric(1, batch, h, w, 12, src, dst, r)
+    x = paddle.to_tensor(np.random.default_rng(2).standard_normal((batch, h * w, 5)).astype(np.float32))
+    gpu = bipartite_soft_matching_random2d(paddle.to_tensor(metric), w, h, sx, sy, r, no_rand=no_rand, generator=7)
+    cpu = bipartite_soft_matching_random2d(paddle.to_tensor(metric), w, h, sx, sy, r, no_rand=no_rand, generator=7,
+                                           kind="cpu")
+    assert gpu.kind == "gpu" and cpu.kind == "cpu"
+    ref = reference_plan(metric, *partition_of(gpu), r)
+    np.testing.assert_allclose(gpu.unmerge(gpu.merge(x)).numpy(), reference_round_trip(x.numpy(), ref), **F32_TOL)
+    np.testing.assert_allclose(gpu.merge(x).numpy(), cpu.merge(x).numpy(), **F32_TOL)
+    np.testing.assert_array_equal(gpu.merge(x).numpy(), gpu.merge(x).numpy())  # fixed summation order
+
+
+def test_gpu_kernels_unmerge_half_dtypes_without_a_float32_round_trip(gpu_kernels, monkeypatch):
+    # (the CPU build has a bfloat16 gather but no float16 one, so bfloat16 stands in for both half types)
+    plan = bipartite_soft_matching_random2d(paddle.randn([2, 64, 8]), 8, 8, 2, 2, 32, generator=0)
+    y = paddle.randn([2, 32, 8]).astype("bfloat16")
+    casts = []
+    original = paddle.Tensor.astype
+    monkeypatch.setattr(paddle.Tensor, "astype", lambda self, dtype: casts.append(dtype) or original(self, dtype))
+    out = plan.unmerge(y)
+    assert plan.kind == "gpu" and out.dtype == y.dtype and "float32" not in casts
+    cpu = bipartite_soft_matching_random2d(paddle.randn([2, 64, 8]), 8, 8, 2, 2, 32, generator=0, kind="cpu")
+    cpu.tables = plan.tables
+    np.testing.assert_array_equal(out.astype("float32").numpy(), cpu.unmerge(y).astype("float32").numpy())
+
+
+def test_partition_table_draws_each_slot_uniformly_and_independently():
+    # 4 slots per cell; 40 timesteps x 4 blocks x 256 cells = 40960 draws: chi-square with 3 dof, and the
+    # transitions between neighbouring cells (15 dof) must look independent too
+    slots, pairs = np.zeros(4), np.zeros((4, 4))
+    for t in range(0, 1000, 25):
+        table = merge_module.partition_table(32, 32, 2, 2, merge_module.step_key(paddle.to_tensor([t])), 0, 4).numpy()
+        for row in table:
+            dst = np.sort(row[-256:])
+            cell = (dst // 32 // 2) * 16 + (dst % 32) // 2
+            slot = (dst // 32 % 2) * 2 + dst % 2
+            order = np.argsort(cell)
+            assert np.array_equal(cell[order], np.arange(256))  # one dst per cell
+            s = slot[order]
+            slots += np.bincount(s, minlength=4)
+            np.add.at(pairs, (s[:-1], s[1:]), 1)
+    expected = slots.sum() / 4
+    assert ((slots - expected) ** 2 / expected).sum() < 16.3  # p = 0.001 for 3 dof
+    expected_pairs = pairs.sum() / 16
+    assert ((pairs - expected_pairs) ** 2 / expected_pairs).sum() < 37.7  # p = 0.001 for 15 dof
+
+
+def test_partition_table_rows_differ_by_block_timestep_seed_and_grid():
+    key = merge_module.step_key
+    a = merge_module.partition_table(16, 16, 2, 2, key(paddle.to_tensor(999)), 0, 3).numpy()
+    assert len({tuple(row) for row in a}) == 3  # blocks
+    assert not np.array_equal(a, merge_module.partition_table(16, 16, 2, 2, key(paddle.to_tensor(981)), 0, 3).numpy())
+    assert not np.array_equal(a, merge_module.partition_table(16, 16, 2, 2, key(paddle.to_tensor(999)), 1, 3).numpy())
+    np.testing.assert_array_equal(a, merge_module.partition_table(16, 16, 2, 2, key(999), 0, 3).numpy())
+
+
+def test_step_key_is_the_same_for_a_batch_of_one_timestep_in_any_form():
+    key = lambda t: int(merge_module.step_key(t))  # noqa: E731
+    assert key(paddle.to_tensor(999)) == key(paddle.to_tensor([999, 999])) == key(999) == key(999.0)
+    assert key(paddle.to_tensor([999.0], dtype="float32")) == key(paddle.to_tensor([999]))
+    assert key(paddle.to_tensor([999, 500])) == key(999)  # the noisiest item decides
+    assert key(paddle.to_tensor(999.5)) != key(999)
+
+
+@pytest.mark.parametrize("scale", [1e-30, 1e-20, 1e19, 1e30])
+def test_matching_is_scale_free(scale):
+    src, dst = grid_partition(8, 8, 2, 2, no_rand=True)
+    metric = tie_free_metric(3, 2, 8, 8, 16, src, dst, 30)
+    base = bipartite_soft_matching_random2d(paddle.to_tensor(metric), 8, 8, 2, 2, 30, no_rand=True)
+    scaled = bipartite_soft_matching_random2d(paddle.to_tensor(metric * np.float32(scale)), 8, 8, 2, 2, 30, no_rand=True)
+    np.testing.assert_array_equal(scaled.merged_pos.numpy(), base.merged_pos.numpy())
+    np.testing.assert_array_equal(scaled.merged_into.numpy(), base.merged_into.numpy())
+
+
+def test_mean_of_huge_opposite_values_stays_finite():
+    x = np.random.default_rng(0).uniform(-1, 1, (1, 64, 4)).astype(np.float32)
+    x = np.sign(x).astype(np.float32) * np.float32(3e38)  # sums of two would overflow float32
+    merge, unmerge = bipartite_soft_matching_random2d(paddle.randn([1, 64, 8]), 8, 8, 2, 2, 40, generator=0)
+    out = unmerge(merge(paddle.to_tensor(x))).numpy()
+    assert np.isfinite(out).all() and np.abs(out).max() <= 3e38 * (1 + 1e-6)
+
+
+def test_non_finite_tokens_match_as_zero_vectors_and_never_poison_clean_ones():
+    # every clean token shares a positive direction, so its best similarity is > 0, while a NaN/inf token counts as
+    # a zero vector (similarity 0): it is neither merged nor chosen as the dst of a clean token
+    rng = np.random.default_rng(1)
+    metric = (rng.standard_normal((1, 64, 8)) * 0.1 + 1.0).astype(np.float32)
+    src, dst = grid_partition(8, 8, 2, 2, no_rand=True)
+    bad = [int(src[3]), int(src[10]), int(dst[5])]
+    metric[0, bad[0]] = np.nan
+    metric[0, bad[1], 2] = np.inf
+    metric[0, bad[2]] = np.nan
+    plan = bipartite_soft_matching_random2d(paddle.to_tensor(metric), 8, 8, 2, 2, 45, no_rand=True)
+    merged, into = set(plan.merged_pos.numpy()[0].tolist()), set(plan.merged_into.numpy()[0].tolist())
+    assert not merged & set(bad) and not into & set(bad)
+    out = plan.unmerge(plan.merge(paddle.to_tensor(metric))).numpy()
+    clean = [p for p in range(64) if p not in bad]
+    assert np.isfinite(out[0, clean]).all()

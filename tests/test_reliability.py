@@ -231,12 +231,6 @@ def test_success_still_replaces_the_builtin_port_on_every_target():
         np.testing.assert_array_equal(unet_output(model), unet_output(fresh))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue #11 item 3, left for patch.py: an unpickled patch keeps its Paddle hook ids, and a process that "
-    "registered fewer hooks hands the same ids out again (proposed fix: _HookRecord.__setstate__ raises "
-    "HookRemoveHelper.next_hook_id above its id)",
-)
 def test_hooks_registered_after_unpickling_in_a_fresh_process_do_not_collide(monkeypatch):
     from paddle.nn.layer.layers import HookRemoveHelper
 

@@ -1,5 +1,5 @@
 """A ToMe-patched UNet converted with paddle.jit.to_static and saved with paddle.jit.save for Paddle Inference
-(ppdiffusers_tome/patch.py under static-graph tracing)."""
+(ppdiffusers_tome/patch.py and merge.py under static-graph tracing), with a fixed and with a dynamic batch."""
 
 import numpy as np
 import paddle
@@ -59,15 +59,48 @@ def test_patched_unet_converts_saves_and_loads_with_same_output(tmp_path, full_g
     np.testing.assert_allclose(loaded(*inputs).numpy(), dynamic, rtol=1e-5, atol=1e-5)
 
 
+DYNAMIC_SPEC = [InputSpec([None, 4, 16, 16], "float32"), InputSpec([None], "int64"), InputSpec([None, 5, 32], "float32")]
+
+
+@pytest.mark.parametrize(
+    "options", [dict(), dict(method="todo"), dict(use_rand=False)], ids=["defaults", "todo", "no-rand"]
+)
+def test_export_with_a_dynamic_batch_follows_the_timestep_inside_the_program(tmp_path, options):
+    """The defaults (random partition keyed by the timestep tensor) export with a dynamic batch; the loaded program
+    equals the eager patched model at batch 1, 2 and 3 and at two timesteps, so the partition is computed inside
+    the program from its timestep input, not frozen at conversion."""
+    unet = small_unet()
+    unet.apply_tome(ratio=0.5, **options)
+    model = NoisePredictor(unet)
+    model.eval()
+    static = paddle.jit.to_static(model, input_spec=DYNAMIC_SPEC, full_graph=True)
+    path = str(tmp_path / "unet")
+    paddle.jit.save(static, path)
+    loaded = paddle.jit.load(path)
+    rng = np.random.default_rng(0)
+    outputs = {}
+    for batch in (1, 2, 3):
+        sample = paddle.to_tensor(rng.standard_normal((batch, 4, 16, 16)).astype("float32"))
+        context = paddle.to_tensor(rng.standard_normal((batch, 5, 32)).astype("float32"))
+        for t in (999, 501):
+            timestep = paddle.full([batch], t, dtype="int64")
+            with paddle.no_grad():
+                eager = model(sample, timestep, context).numpy()
+            np.testing.assert_allclose(loaded(sample, timestep, context).numpy(), eager, rtol=1e-5, atol=1e-5)
+            outputs[batch, t] = eager
+    if not options:  # random partition: a different timestep gives a different partition, hence output
+        assert np.abs(outputs[2, 999] - outputs[2, 501]).max() > 0
+
+
 @pytest.mark.parametrize(
     "options, named",
     [
-        (dict(use_rand=True), "use_rand=True"),
         (dict(use_rand=False, ratio=(0.6, 0.3)), "a ratio schedule"),
         (dict(use_rand=False, recompute_every=3), "recompute_every"),
+        (dict(ratio=(0.6, 0.3)), "a ratio schedule"),
     ],
 )
-def test_options_that_read_the_timestep_refuse_conversion_with_a_clear_error(tmp_path, options, named):
+def test_options_that_change_shapes_by_timestep_refuse_conversion_with_a_clear_error(tmp_path, options, named):
     unet = small_unet()
     unet.apply_tome(**options)
     static = paddle.jit.to_static(NoisePredictor(unet), input_spec=SPEC, full_graph=True)
