@@ -1,7 +1,7 @@
 """Benchmark a pipeline with and without ToMe from Python (the same engine as ``ppdiffusers-tome bench``).
 
     python examples/benchmark.py                                    # tiny preset, a few seconds
-    python examples/benchmark.py --arch sd15-narrow --resolution 512 --ratios 0.3 0.5
+    python examples/benchmark.py --preset sd15-narrow --resolution 512 --ratios 0.3 0.5
     python examples/benchmark.py --model /path/to/stable-diffusion-v1-5 --resolution 768
 """
 
@@ -17,8 +17,9 @@ logger = logging.getLogger("benchmark")
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", help="local pipeline folder; default: --arch")
-    parser.add_argument("--arch", default="tiny", choices=available_presets())
+    parser.add_argument("--model", help="local pipeline folder; default: --preset")
+    parser.add_argument("--preset", "--arch", dest="preset", default="tiny", choices=available_presets(),
+                        help="built-in model layout with random weights (--arch is an alias)")
     parser.add_argument("--resolution", type=int, default=32)
     parser.add_argument("--ratios", type=float, nargs="+", default=[0.3, 0.5])
     parser.add_argument("--steps", type=int, default=2)
@@ -27,7 +28,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
-    pipe = load_local_pipeline(args.model) if args.model else preset_pipeline(args.arch)
+    pipe = load_local_pipeline(args.model) if args.model else preset_pipeline(args.preset)
     settings = bench.BenchSettings(resolutions=[args.resolution], ratios=args.ratios, steps=args.steps,
                                    repeats=args.repeats, methods=("vanilla", "tome", "bound"))
     cells = bench.run_grid(pipe, settings)

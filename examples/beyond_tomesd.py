@@ -1,5 +1,6 @@
 """The options beyond tomesd side by side on one pipeline: plain ToMe, ToDo, plan caching and a ratio schedule.
-Prints seconds and PSNR against vanilla (same seed) for each, and saves every image.
+Prints seconds and PSNR against vanilla (same seed) for each, and saves every image under a name that says
+what it is (vanilla.png, tome_0.5.png, todo_x2.png, ...) plus all of them in one row, side_by_side.png.
 
     python examples/beyond_tomesd.py                                   # tiny built-in model, random weights
     python examples/beyond_tomesd.py --model /path/to/stable-diffusion-v1-5 --resolution 768 --steps 25
@@ -12,6 +13,7 @@ import time
 
 import numpy as np
 import paddle
+from PIL import Image, ImageDraw
 
 import ppdiffusers_tome
 from ppdiffusers_tome.measure import psnr
@@ -19,13 +21,25 @@ from ppdiffusers_tome.presets import load_local_pipeline, preset_pipeline
 
 logger = logging.getLogger("beyond_tomesd")
 
+# label: (file name, apply_tome options)
 CONFIGS = {
-    "vanilla": None,
-    "tome 0.5": dict(ratio=0.5),
-    "todo x2": dict(method="todo", downsample_factor=2),
-    "tome 0.5, plans reused for 5 steps": dict(ratio=0.5, recompute_every=5),
-    "tome 0.7 -> 0.3": dict(ratio=(0.7, 0.3)),
+    "vanilla": ("vanilla", None),
+    "tome 0.5": ("tome_0.5", dict(ratio=0.5)),
+    "todo x2": ("todo_x2", dict(method="todo", downsample_factor=2)),
+    "tome 0.5, plans reused for 5 steps": ("tome_0.5_recompute_every_5", dict(ratio=0.5, recompute_every=5)),
+    "tome 0.7 -> 0.3": ("tome_0.7_to_0.3", dict(ratio=(0.7, 0.3))),
 }
+
+
+def side_by_side(images, labels):
+    """The images in one row, each with its label above it."""
+    width, height = images[0].size
+    canvas = Image.new("RGB", (width * len(images), height + 14), "white")
+    draw = ImageDraw.Draw(canvas)
+    for i, (image, label) in enumerate(zip(images, labels)):
+        canvas.paste(image.convert("RGB"), (i * width, 14))
+        draw.text((i * width + 2, 1), label, fill="black")
+    return canvas
 
 
 def main(argv=None):
@@ -40,8 +54,8 @@ def main(argv=None):
 
     pipe = load_local_pipeline(args.model) if args.model else preset_pipeline("tiny")
     os.makedirs(args.output, exist_ok=True)
-    reference = None
-    for index, (label, options) in enumerate(CONFIGS.items()):
+    reference, images = None, []
+    for label, (name, options) in CONFIGS.items():
         pipe.remove_tome()
         if options is not None:
             pipe.apply_tome(**options)
@@ -51,10 +65,14 @@ def main(argv=None):
         seconds = time.perf_counter() - start
         pixels = np.asarray(image, dtype=np.float64) / 255.0
         reference = pixels if reference is None else reference
-        image.save(os.path.join(args.output, f"{index}.png"))
-        logger.info("%-36s %6.2f s  PSNR %s dB", label, seconds,
-                    "inf" if options is None else f"{psnr(reference, pixels):.1f}")
+        path = os.path.join(args.output, f"{name}.png")
+        image.save(path)
+        images.append(image)
+        logger.info("%-36s %6.2f s  PSNR %s dB  -> %s", label, seconds,
+                    "inf" if options is None else f"{psnr(reference, pixels):.1f}", path)
     pipe.remove_tome()
+    side_by_side(images, [name for name, _ in CONFIGS.values()]).save(os.path.join(args.output, "side_by_side.png"))
+    logger.info("saved %d images and side_by_side.png in %s", len(images), os.path.abspath(args.output))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""ControlNet with ToMe: the same call patches the UNet and the ControlNet.
+"""ControlNet with ToMe: the same call patches the UNet and the ControlNet. Generates with and without ToMe
+(same seed) and saves control.png, vanilla.png, tome.png and side_by_side.png (control | vanilla | ToMe).
 
     python examples/controlnet.py                                   # tiny built-in model with a ControlNet
     python examples/controlnet.py --model /path/to/sd15-controlnet-canny-pipeline --control edges.png --resolution 512
@@ -29,6 +30,19 @@ def edge_map(size):
     return Image.fromarray(np.stack([canvas] * 3, axis=-1))
 
 
+def side_by_side(images, labels):
+    """The images in one row, each with its label above it."""
+    from PIL import ImageDraw
+
+    width, height = images[0].size
+    canvas = Image.new("RGB", (width * len(images), height + 14), "white")
+    draw = ImageDraw.Draw(canvas)
+    for i, (image, label) in enumerate(zip(images, labels)):
+        canvas.paste(image.convert("RGB"), (i * width, 14))
+        draw.text((i * width + 2, 1), label, fill="black")
+    return canvas
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="local StableDiffusionControlNetPipeline folder; default: tiny preset")
@@ -45,12 +59,18 @@ def main(argv=None):
     control = Image.open(args.control).convert("RGB") if args.control else edge_map(args.resolution)
     os.makedirs(args.output, exist_ok=True)
     control.save(os.path.join(args.output, "control.png"))
-    pipe.apply_tome(ratio=args.ratio)  # UNet and ControlNet both
-    image = pipe(args.prompt, image=control, height=args.resolution, width=args.resolution,
-                 num_inference_steps=args.steps, generator=paddle.Generator().manual_seed(0)).images[0]
-    image.save(os.path.join(args.output, "tome.png"))
-    logger.info("patched components: %s", ppdiffusers_tome.tome_stats(pipe))
+    images = {}
+    for label in ("vanilla", "tome"):
+        if label == "tome":
+            pipe.apply_tome(ratio=args.ratio)  # UNet and ControlNet both
+        images[label] = pipe(args.prompt, image=control, height=args.resolution, width=args.resolution,
+                             num_inference_steps=args.steps, generator=paddle.Generator().manual_seed(0)).images[0]
+        images[label].save(os.path.join(args.output, f"{label}.png"))
+    logger.info("ToMe on each model: %s", ppdiffusers_tome.tome_status(pipe))
     pipe.remove_tome()
+    side_by_side([control.resize(images["vanilla"].size), images["vanilla"], images["tome"]],
+                 ["control", "vanilla", f"ToMe {args.ratio}"]).save(os.path.join(args.output, "side_by_side.png"))
+    logger.info("saved control.png, vanilla.png, tome.png and side_by_side.png in %s", os.path.abspath(args.output))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """ToMe (or ToDo) on a transformer-only pipeline: DiT. The token grid is the patch grid (latent size / patch size),
-and every block runs at that resolution, so every block merges.
+and every block runs at that resolution, so every block merges. Saves vanilla_<label>.png and
+<method>_<label>.png for every class label (same seed).
 
     python examples/dit.py                                       # tiny DiT-style model, random weights
     python examples/dit.py --model /path/to/DiT-XL-2-256 --steps 25 --labels 207 360
@@ -31,14 +32,17 @@ def main(argv=None):
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
     pipe = load_local_pipeline(args.model) if args.model else tiny_dit_pipeline()
-    pipe.apply_tome(ratio=args.ratio, method=args.method)
-    images = pipe(class_labels=args.labels, num_inference_steps=args.steps,
-                  generator=paddle.Generator().manual_seed(0)).images
     os.makedirs(args.output, exist_ok=True)
-    for label, image in zip(args.labels, images):
-        image.save(os.path.join(args.output, f"{args.method}_{label}.png"))
+    for run in ("vanilla", args.method):
+        if run != "vanilla":
+            pipe.apply_tome(ratio=args.ratio, method=args.method)
+        images = pipe(class_labels=args.labels, num_inference_steps=args.steps,
+                      generator=paddle.Generator().manual_seed(0)).images
+        for label, image in zip(args.labels, images):
+            image.save(os.path.join(args.output, f"{run}_{label}.png"))
     logger.info("%s stats: %s", args.method, ppdiffusers_tome.tome_stats(pipe))
     pipe.remove_tome()
+    logger.info("saved vanilla_*.png and %s_*.png in %s", args.method, os.path.abspath(args.output))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """Two ControlNets at once (MultiControlNet) with ToMe: every net gets its own patch, and remove_tome takes
-each one off again.
+each one off again. Saves the two control images, vanilla.png, tome.png and side_by_side.png.
 
     python examples/multi_controlnet.py                             # tiny UNet with two tiny ControlNets
 """
@@ -28,9 +28,22 @@ def conditions(size):
     return [Image.fromarray(stripes), Image.fromarray(square)]
 
 
+def side_by_side(images, labels):
+    """The images in one row, each with its label above it."""
+    from PIL import ImageDraw
+
+    width, height = images[0].size
+    canvas = Image.new("RGB", (width * len(images), height + 14), "white")
+    draw = ImageDraw.Draw(canvas)
+    for i, (image, label) in enumerate(zip(images, labels)):
+        canvas.paste(image.convert("RGB"), (i * width, 14))
+        draw.text((i * width + 2, 1), label, fill="black")
+    return canvas
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--prompt", default="a stained glass window")
+    parser.add_argument("--prompt", default="stained glass", help="short: the tiny tokenizer keeps 14 characters")
     parser.add_argument("--resolution", type=int, default=32)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--ratio", type=float, default=0.5)
@@ -39,15 +52,26 @@ def main(argv=None):
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
     pipe = tiny_controlnet_pipeline(num_controlnets=2)
-    images = conditions(args.resolution)
+    controls = conditions(args.resolution)
     os.makedirs(args.output, exist_ok=True)
-    pipe.apply_tome(ratio=args.ratio)
-    result = pipe(args.prompt, image=images, controlnet_conditioning_scale=[1.0, 0.6], height=args.resolution,
-                  width=args.resolution, num_inference_steps=args.steps, generator=paddle.Generator().manual_seed(0))
-    result.images[0].save(os.path.join(args.output, "tome.png"))
-    logger.info("patched: %s", ppdiffusers_tome.tome_stats(pipe))
+    for name, control in zip(("control_stripes", "control_square"), controls):
+        control.save(os.path.join(args.output, f"{name}.png"))
+    images = {}
+    for label in ("vanilla", "tome"):
+        if label == "tome":
+            pipe.apply_tome(ratio=args.ratio)  # the UNet and each ControlNet, net by net
+        images[label] = pipe(args.prompt, image=controls, controlnet_conditioning_scale=[1.0, 0.6],
+                             height=args.resolution, width=args.resolution, num_inference_steps=args.steps,
+                             generator=paddle.Generator().manual_seed(0)).images[0]
+        images[label].save(os.path.join(args.output, f"{label}.png"))
+    logger.info("ToMe on each model: %s", ppdiffusers_tome.tome_status(pipe))
     pipe.remove_tome()
     logger.info("after remove_tome, any net still patched: %s", any(get_patch(n) for n in pipe.controlnet.nets))
+    side_by_side(controls + [images["vanilla"], images["tome"]],
+                 ["stripes", "square", "vanilla", f"ToMe {args.ratio}"]).save(
+        os.path.join(args.output, "side_by_side.png"))
+    logger.info("saved the control images, vanilla.png, tome.png and side_by_side.png in %s",
+                os.path.abspath(args.output))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """SDXL with ToMe. SDXL's first UNet level has no attention; the default max_downsample="auto" finds the 2x level
-on its own (tomesd's default of 1 would merge nothing there).
+on its own (tomesd's default of 1 would merge nothing there). Saves vanilla.png, tome.png and side_by_side.png.
 
     python examples/sdxl.py                                         # tiny SDXL-style model, random weights
     python examples/sdxl.py --model /path/to/stable-diffusion-xl-base-1.0 --resolution 1024 --steps 30
@@ -10,11 +10,25 @@ import logging
 import os
 
 import paddle
+from PIL import Image
 
 import ppdiffusers_tome
 from ppdiffusers_tome.presets import load_local_pipeline, preset_pipeline
 
 logger = logging.getLogger("sdxl")
+
+
+def side_by_side(images, labels):
+    """The images in one row, each with its label above it."""
+    from PIL import ImageDraw
+
+    width, height = images[0].size
+    canvas = Image.new("RGB", (width * len(images), height + 14), "white")
+    draw = ImageDraw.Draw(canvas)
+    for i, (image, label) in enumerate(zip(images, labels)):
+        canvas.paste(image.convert("RGB"), (i * width, 14))
+        draw.text((i * width + 2, 1), label, fill="black")
+    return canvas
 
 
 def main(argv=None):
@@ -29,12 +43,19 @@ def main(argv=None):
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
     pipe = load_local_pipeline(args.model) if args.model else preset_pipeline("tiny-sdxl")
-    pipe.apply_tome(ratio=args.ratio)  # max_downsample="auto": the 2x level on SDXL
-    image = pipe(args.prompt, height=args.resolution, width=args.resolution, num_inference_steps=args.steps,
-                 generator=paddle.Generator().manual_seed(0)).images[0]
     os.makedirs(args.output, exist_ok=True)
-    image.save(os.path.join(args.output, "tome.png"))
+    images = {}
+    for label in ("vanilla", "tome"):
+        if label == "tome":
+            pipe.apply_tome(ratio=args.ratio)  # max_downsample="auto": the 2x level on SDXL
+        images[label] = pipe(args.prompt, height=args.resolution, width=args.resolution,
+                             num_inference_steps=args.steps, generator=paddle.Generator().manual_seed(0)).images[0]
+        images[label].save(os.path.join(args.output, f"{label}.png"))
     logger.info("ToMe stats: %s", ppdiffusers_tome.tome_stats(pipe))
+    pipe.remove_tome()
+    side_by_side([images["vanilla"], images["tome"]], ["vanilla", f"ToMe {args.ratio}"]).save(
+        os.path.join(args.output, "side_by_side.png"))
+    logger.info("saved vanilla.png, tome.png and side_by_side.png in %s", os.path.abspath(args.output))
 
 
 if __name__ == "__main__":

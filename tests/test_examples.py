@@ -4,6 +4,7 @@ import os
 import runpy
 import sys
 
+import numpy as np
 import pytest
 from PIL import Image
 
@@ -11,19 +12,61 @@ EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 SCRIPTS = sorted(name for name in os.listdir(EXAMPLES) if name.endswith(".py"))
 
 
+# what each example saves, by name: every image generated with ToMe has its vanilla twin (same seed)
+SAVED = {
+    "sd_txt2img.py": {"vanilla.png", "tome.png"},
+    "sd_img2img.py": {"start.png", "vanilla.png", "tome.png"},
+    "controlnet.py": {"control.png", "vanilla.png", "tome.png", "side_by_side.png"},
+    "multi_controlnet.py": {"control_stripes.png", "control_square.png", "vanilla.png", "tome.png", "side_by_side.png"},
+    "sdxl.py": {"vanilla.png", "tome.png", "side_by_side.png"},
+    "dit.py": {"vanilla_207.png", "vanilla_360.png", "tome_207.png", "tome_360.png"},
+    "beyond_tomesd.py": {"vanilla.png", "tome_0.5.png", "todo_x2.png", "tome_0.5_recompute_every_5.png",
+                         "tome_0.7_to_0.3.png", "side_by_side.png"},
+}
+# the examples that end by saying where their images are
+SAYS_WHERE = ("controlnet.py", "multi_controlnet.py", "sdxl.py", "dit.py", "beyond_tomesd.py")
+
+
 def test_there_are_examples():
     assert "sd_txt2img.py" in SCRIPTS
+    assert set(SAVED) <= set(SCRIPTS)
+
+
+def pixels(path):
+    with Image.open(path) as image:
+        return np.asarray(image.convert("RGB"), dtype=np.float64)
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_example_runs_on_its_tiny_default(script, tmp_path, monkeypatch):
+def test_example_runs_on_its_tiny_default(script, tmp_path, monkeypatch, caplog, capfd):
     monkeypatch.setattr(sys, "argv", [script, "--output", str(tmp_path)])
-    runpy.run_path(os.path.join(EXAMPLES, script), run_name="__main__")
+    with caplog.at_level("INFO"):
+        runpy.run_path(os.path.join(EXAMPLES, script), run_name="__main__")
     images = sorted(p for p in os.listdir(tmp_path) if p.endswith(".png"))
     assert images, f"{script} saved no image"
     for name in images:
         with Image.open(tmp_path / name) as image:
             image.verify()
+    if script in SAVED:
+        assert set(images) == SAVED[script]
+    pairs = [(v, v.replace("vanilla", "tome")) for v in images if v.startswith("vanilla")]
+    if script == "beyond_tomesd.py":
+        pairs = [("vanilla.png", name) for name in images if name not in ("vanilla.png", "side_by_side.png")]
+    for vanilla, tome in pairs:  # same seed, so any difference is ToMe's doing
+        assert np.abs(pixels(tmp_path / vanilla) - pixels(tmp_path / tome)).max() > 0, (vanilla, tome)
+    if "side_by_side.png" in images:
+        single = pixels(tmp_path / "vanilla.png")
+        strip = pixels(tmp_path / "side_by_side.png")
+        count = len([n for n in SAVED[script] if n != "side_by_side.png" and "start" not in n])
+        assert strip.shape[1] == count * single.shape[1] and strip.shape[0] > single.shape[0]
+        # the vanilla image sits in the strip unchanged, below the label row
+        index = 2 if script == "multi_controlnet.py" else 1 if script == "controlnet.py" else 0
+        width = single.shape[1]
+        assert np.array_equal(strip[-single.shape[0]:, index * width:(index + 1) * width], single)
+    if script in SAYS_WHERE:
+        assert os.path.abspath(tmp_path) in caplog.text
+    captured = capfd.readouterr()
+    assert "truncated" not in captured.out + captured.err + caplog.text
 
 
 def test_distributed_example_runs_on_two_cpu_processes(tmp_path):
