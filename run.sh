@@ -1,22 +1,46 @@
 #!/usr/bin/env bash
-# Set up a virtual environment with the pinned CPU set (one pip command), then run the main job or the tests.
-#   bash run.sh demo [demo options]    # the main job: vanilla vs ToMe on the embedded tiny SD model
-#   bash run.sh test [pytest options]  # the full test suite
+# Set up a virtual environment with the pinned CPU set (one pip command), then run a command inside it, so that
+# every command works in a fresh shell without activating anything:
+#   bash run.sh demo [demo options]        # the main job: vanilla vs ToMe on the embedded model
+#   bash run.sh test [pytest options]      # the full test suite
+#   bash run.sh bench [bench options]      # python -m ppdiffusers_tome bench ...
+#   bash run.sh figure [figure options]    # python -m ppdiffusers_tome figure ...
+#   bash run.sh python [args]              # the environment's python, e.g. bash run.sh python examples/controlnet.py
 # PYTHON selects the interpreter (default python3); VENV the environment folder (default .venv).
 set -euo pipefail
 cd "$(dirname "$0")"
 venv="${VENV:-.venv}"
 stamp="$venv/.installed-$(cat requirements.txt constraints.txt setup.py | cksum | cut -d' ' -f1)"
 if [ ! -f "$stamp" ]; then
+  echo "run.sh: setting up $venv with the pinned CPU set (one pip command; about 5 minutes the first time)" >&2
+  start=$(date +%s)
   "${PYTHON:-python3}" -m venv "$venv"
-  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check \
-    -r requirements.txt -c constraints.txt -e .
+  log="$venv/pip-install.log"
+  # pip's own lines go to the log; the screen gets one line per phase (packages found, then installing)
+  set +e
+  "$venv/bin/python" -m pip install --disable-pip-version-check --progress-bar off \
+    -r requirements.txt -c constraints.txt -e . 2>&1 | tee "$log" | awk '
+      /^Collecting / { n++; if (n % 10 == 1) { printf "run.sh:   resolving: %d packages so far\n", n; fflush() } }
+      /^Installing collected packages/ {
+        printf "run.sh:   installing %d packages (the slow part) ...\n", split(substr($0, index($0, ":") + 2), p, ", ")
+        fflush()
+      }
+    ' >&2
+  status=${PIPESTATUS[0]}
+  set -e
+  if [ "$status" -ne 0 ]; then
+    tail -n 25 "$log" >&2
+    echo "run.sh: pip install failed (exit $status); the whole log is in $log" >&2
+    exit "$status"
+  fi
+  echo "run.sh: $venv ready in $(( $(date +%s) - start )) s" >&2
   touch "$stamp"
 fi
 what="${1:-}"
 [ $# -gt 0 ] && shift
 case "$what" in
-  demo) exec "$venv/bin/python" -m ppdiffusers_tome demo "$@" ;;
+  demo|bench|figure) exec "$venv/bin/python" -m ppdiffusers_tome "$what" "$@" ;;
   test) exec "$venv/bin/python" -m pytest tests --doctest-modules ppdiffusers_tome "$@" ;;
-  *) echo "usage: bash run.sh demo|test [options]" >&2; exit 2 ;;
+  python) exec "$venv/bin/python" "$@" ;;
+  *) echo "usage: bash run.sh demo|test|bench|figure [options]  or  bash run.sh python [args]" >&2; exit 2 ;;
 esac
