@@ -7,7 +7,7 @@ import pytest
 from PIL import Image
 
 from ppdiffusers_tome.cli import main
-from ppdiffusers_tome.presets import available_presets, load_preset, preset_pipeline
+from ppdiffusers_tome.presets import available_presets, default_resolution, load_preset, preset_pipeline
 
 TINY = ["--preset", "tiny", "--resolution", "32", "--steps", "2", "--threads", "1"]
 
@@ -110,3 +110,138 @@ def test_figure_reports_the_plan():
     assert info == {"tokens": 144, "dst": 36, "merged": 72, "grid": 12, "ratio": 0.5}
     _, none = draw_plan_figure(ratio=0.0, grid=12, cell=2)
     assert none["merged"] == 0
+
+
+# --help, --version and option names ---------------------------------------------------------------------------
+def test_version(capsys):
+    import ppdiffusers_tome
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.strip() == f"ppdiffusers-tome {ppdiffusers_tome.__version__}"
+
+
+def test_demo_help_lists_presets_and_defaults(capsys):
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    out = capsys.readouterr().out
+    for name in available_presets():
+        line = next(line for line in out.splitlines() if line.strip().startswith(name + " "))
+        assert f"{default_resolution(name)} px" in line
+    assert "(default: 8)" in out and "(default: 0.3 0.5)" in out and "(default: sd15-narrow)" in out
+    assert "--arch" in out and "(default: None)" not in out
+
+
+@pytest.mark.parametrize("command", ["demo", "bench"])
+def test_preset_and_arch_name_the_same_option(command):
+    from ppdiffusers_tome.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args([command, "--preset", "tiny"]).preset == "tiny"
+    assert parser.parse_args([command, "--arch", "tiny-sdxl"]).preset == "tiny-sdxl"
+    assert parser.parse_args([command]).preset == "sd15-narrow"
+
+
+def test_unknown_preset_is_refused_with_the_list(capsys):
+    with pytest.raises(SystemExit):
+        main(["demo", "--preset", "sd99"])
+    err = capsys.readouterr().err
+    assert "invalid choice: 'sd99'" in err and "tiny-controlnet" in err
+
+
+def test_bench_methods_listed_without_importing_bench_match_bench():
+    from ppdiffusers_tome import bench
+    from ppdiffusers_tome.cli import BENCH_METHODS
+
+    assert BENCH_METHODS == bench.ALL_METHODS
+
+
+@pytest.mark.parametrize("args", [["--help"], ["demo", "--help"], ["bench", "-h"], ["--version"]])
+def test_help_and_version_do_not_import_paddle(args):
+    """-X importtime lists every module the interpreter imports: neither Paddle nor ppdiffusers may be among them."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-X", "importtime", "-m", "ppdiffusers_tome", *args],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    imported = {line.rsplit("|", 1)[-1].strip().split(".")[0] for line in done.stderr.splitlines() if "|" in line}
+    assert "ppdiffusers_tome" in imported and "numpy" in imported  # the listing works
+    assert not imported & {"paddle", "ppdiffusers", "paddlenlp"}
+    assert done.stdout.strip()
+
+
+def test_help_only_detection():
+    from ppdiffusers_tome import _cli_help_only
+
+    assert _cli_help_only(["-m"], ["python", "-m", "ppdiffusers_tome", "demo", "--help"])
+    assert _cli_help_only(["-m"], ["python3.11", "-X", "importtime", "-m", "ppdiffusers_tome", "--version"])
+    assert _cli_help_only(["/venv/bin/ppdiffusers-tome", "bench", "-h"], ["python", "/venv/bin/ppdiffusers-tome"])
+    assert _cli_help_only(["-m"], ["python", "-m", "ppdiffusers_tome"])  # no arguments: usage only
+    assert not _cli_help_only(["-m"], ["python", "-m", "ppdiffusers_tome", "demo", "--steps", "2"])
+    assert not _cli_help_only(["-m"], ["python", "-m", "pytest", "--help"])
+    assert not _cli_help_only(["script.py", "--help"], ["python", "script.py", "--help"])
+
+
+# memory check, default resolution, legend and noise warning --------------------------------------------------
+def test_demo_refuses_a_resolution_that_cannot_fit_before_building(monkeypatch, capsys, tmp_path):
+    from ppdiffusers_tome import presets
+
+    monkeypatch.setattr(presets, "available_memory_bytes", lambda: 16 * 1024**3)
+    monkeypatch.setattr(presets, "preset_pipeline", lambda *a, **k: pytest.fail("built a model"))
+    assert main(["demo", "--preset", "tiny", "--resolution", "256", "--output", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "preset 'tiny' at 256x256 px needs about 32.0 GiB" in err and "16.0 GiB" in err
+    assert "Use --resolution 160 or less" in err  # 160 px: 4.9 GiB, within half of 16 GiB; 192 px: 10.1 GiB is not
+
+
+def test_bench_refuses_the_largest_resolution_that_cannot_fit(monkeypatch, capsys, tmp_path):
+    from ppdiffusers_tome import presets
+
+    monkeypatch.setattr(presets, "available_memory_bytes", lambda: 16 * 1024**3)
+    monkeypatch.setattr(presets, "preset_pipeline", lambda *a, **k: pytest.fail("built a model"))
+    args = ["bench", "--arch", "tiny", "--resolutions", "32", "512", "--batch-sizes", "1", "2"]
+    assert main([*args, "--output", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "at 512x512 px" in err and "UNet batch 4" in err and "Use --resolutions" in err
+
+
+def test_default_resolution_comes_from_the_preset_or_the_model_folder(tmp_path):
+    from ppdiffusers_tome.cli import _layout, build_parser
+
+    parser = build_parser()
+    assert _layout(parser.parse_args(["demo", "--preset", "tiny"]))[1] == 64
+    assert _layout(parser.parse_args(["bench", "--arch", "sdxl-narrow"]))[1] == 1024
+    preset_pipeline("tiny").save_pretrained(str(tmp_path / "model"))
+    layout, size, label = _layout(parser.parse_args(["demo", "--model", str(tmp_path / "model")]))
+    assert size == 8 * 2 and layout[1] == 2 and "model" in label  # the tiny UNet's sample_size x the 2x VAE
+
+
+def test_demo_output_has_a_legend_and_records_the_noise(tmp_path, capsys):
+    assert main(["demo", *TINY, "--ratios", "0.5", "--repeats", "2", "--output", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    for term in ("peak MiB:", "added MiB:", "max |diff|:", "The images are noise"):
+        assert term in out
+    record = read_record(tmp_path)
+    tome = record["results"][1]
+    low, high = tome["speedup_range"]
+    runs_v, runs_t = record["results"][0]["runs_seconds"], tome["runs_seconds"]
+    assert low == pytest.approx(min(runs_v) / max(runs_t)) and high == pytest.approx(max(runs_v) / min(runs_t))
+    assert isinstance(record["unstable_runs"], list)
+
+
+def test_noise_warning_names_the_spread_and_when_a_speedup_means_nothing():
+    from ppdiffusers_tome.cli import noise_warning
+
+    rows = [{"method": "vanilla", "ratio": 0.0, "runs_seconds": [2.0, 8.0, 2.2]},  # the reported 4x spread
+            {"method": "tome", "ratio": 0.5, "runs_seconds": [3.0, 3.3, 3.1]}]
+    text = noise_warning(rows)
+    assert "vanilla 2.00-8.00 s" in text and "between 0.61x and 2.67x" in text and "not meaningful" in text
+    steady = [{"method": "vanilla", "ratio": 0.0, "runs_seconds": [2.0, 2.1, 2.05]},
+              {"method": "tome", "ratio": 0.5, "runs_seconds": [1.0, 1.02, 1.01]}]
+    assert noise_warning(steady) is None
+    assert noise_warning([{**row, "runs_seconds": row["runs_seconds"][:1]} for row in rows]) is None  # one run
+    busy_but_clear = [steady[0], {"method": "tome", "ratio": 0.5, "runs_seconds": [0.5, 0.9, 0.6]}]
+    text = noise_warning(busy_but_clear)
+    assert "ToMe 0.50 0.50-0.90 s" in text and "not meaningful" not in text
