@@ -4,16 +4,22 @@ Both run in the same process, interleaved, on the same inputs ([2, 4096, 320] an
 r = N/2, random partition). Prints a table and writes JSON. Not a test: timings on shared machines are noisy, so
 read the ratios, not the seconds.
 
-    python benchmarks/merge_core.py --threads 1 --output outputs/merge_core.json
+    bash run.sh python benchmarks/merge_core.py --threads 1 --output outputs/merge_core.json
+
+``--baseline REV`` adds the merge core of an earlier git revision (its standalone ``merge.py``) as a third
+contender, interleaved with the other two, for before/after numbers from one run.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
+import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -29,6 +35,20 @@ def builtin_port():
     from ppdiffusers.patches.tomesd_patch_utils import bipartite_soft_matching_random2d as builtin
 
     return builtin
+
+
+def baseline_port(revision):
+    """``bipartite_soft_matching_random2d`` of ``ppdiffusers_tome/merge.py`` at git ``revision``."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    source = subprocess.run(["git", "show", f"{revision}:ppdiffusers_tome/merge.py"], cwd=root, check=True,
+                            capture_output=True, text=True).stdout
+    path = os.path.join(tempfile.mkdtemp(), "merge_baseline.py")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(source)
+    spec = importlib.util.spec_from_file_location("merge_baseline", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.bipartite_soft_matching_random2d
 
 
 def time_parts(fn_plan, x, repeats):
@@ -58,9 +78,11 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--threads", type=int, default=None, help="Paddle CPU threads (default: all cores)")
     parser.add_argument("--output", default=os.path.join("outputs", "merge_core.json"))
+    parser.add_argument("--baseline", default=None, metavar="REV", help="also time merge.py of this git revision")
     args = parser.parse_args(argv)
     threads = set_threads(args.threads)
     builtin = builtin_port()
+    baseline = baseline_port(args.baseline) if args.baseline else None
     rows = []
     for shape in args.shapes:
         b, n, c = (int(v) for v in shape.split("x"))
@@ -71,10 +93,13 @@ def main(argv=None):
         rng = np.random.default_rng(1)
         ours = lambda t: bipartite_soft_matching_random2d(t, side, side, 2, 2, r, generator=rng)  # noqa: E731
         theirs = lambda t: builtin(t, side, side, 2, 2, r, no_rand=False)  # noqa: E731
-        results = {"ours": [], "builtin": []}
-        for _ in range(3):  # interleave blocks of runs so machine drift hits both
-            results["ours"].append(time_parts(ours, x, max(args.repeats // 3, 1)))
-            results["builtin"].append(time_parts(theirs, x, max(args.repeats // 3, 1)))
+        contenders = {"ours": ours, "builtin": theirs}
+        if baseline is not None:
+            contenders["baseline"] = lambda t: baseline(t, side, side, 2, 2, r, generator=rng)  # noqa: E731
+        results = {name: [] for name in contenders}
+        for _ in range(3):  # interleave blocks of runs so machine drift hits all
+            for name, fn in contenders.items():
+                results[name].append(time_parts(fn, x, max(args.repeats // 3, 1)))
         merged = {
             name: {part: median([run[part] for run in runs]) for part in runs[0]} for name, runs in results.items()
         }
@@ -87,13 +112,21 @@ def main(argv=None):
                 "speedup": merged["builtin"]["total"] / merged["ours"]["total"],
             }
         )
-    header = f"{'shape':>14} | {'part':>7} | {'builtin ms':>10} | {'ours ms':>8} | {'ratio':>6}"
+        if baseline is not None:
+            rows[-1]["baseline"] = args.baseline
+            rows[-1]["baseline_ms"] = {k: v * 1e3 for k, v in merged["baseline"].items()}
+    extra = f" | {'baseline ms':>11} | {'vs baseline':>11}" if baseline is not None else ""
+    header = f"{'shape':>14} | {'part':>7} | {'builtin ms':>10} | {'ours ms':>8} | {'ratio':>6}{extra}"
     lines = [f"merge core micro-benchmark, {threads} thread(s), median of {args.repeats} runs", header, "-" * len(header)]
     for row in rows:
         shape = "x".join(str(v) for v in row["shape"])
         for part in ("plan", "merge", "unmerge", "total"):
             mine, other = row["ours_ms"][part], row["builtin_ms"][part]
-            lines.append(f"{shape:>14} | {part:>7} | {other:10.2f} | {mine:8.2f} | {other / mine:5.2f}x")
+            line = f"{shape:>14} | {part:>7} | {other:10.2f} | {mine:8.2f} | {other / mine:5.2f}x"
+            if baseline is not None:
+                before = row["baseline_ms"][part]
+                line += f" | {before:11.2f} | {before / mine:10.2f}x"
+            lines.append(line)
     print("\n".join(lines))
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     with open(args.output, "w", encoding="utf-8") as f:

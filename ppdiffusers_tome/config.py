@@ -172,17 +172,14 @@ class ToMeConfig:
         if not _is_int(self.seed) or self.seed < 0:
             raise ValueError(f"seed must be an integer >= 0; got {_shown(self.seed)}")
         store("seed", int(self.seed))
-        method = _as_choice(self.method, METHODS)
-        if method is None:
-            raise ValueError(f"method must be one of {METHODS}; got {_shown(self.method)}")
-        store("method", method)
+        for name, choices in (("method", METHODS), ("downsample_mode", DOWNSAMPLE_MODES)):
+            choice = _as_choice(getattr(self, name), choices)
+            if choice is None:
+                raise ValueError(f"{name} must be one of {choices}; got {_shown(getattr(self, name))}")
+            store(name, choice)
         if not _is_int(self.downsample_factor) or self.downsample_factor not in DOWNSAMPLE_FACTORS:
             raise ValueError(f"downsample_factor must be an integer in [2, 8]; got {_shown(self.downsample_factor)}")
         store("downsample_factor", int(self.downsample_factor))
-        mode = _as_choice(self.downsample_mode, DOWNSAMPLE_MODES)
-        if mode is None:
-            raise ValueError(f"downsample_mode must be one of {DOWNSAMPLE_MODES}; got {_shown(self.downsample_mode)}")
-        store("downsample_mode", mode)
         if self.method == "todo" and (self.merge_crossattn or self.merge_mlp or not self.merge_attn):
             raise ValueError(
                 "method='todo' downsamples the keys and values of self-attention only; with it merge_attn must be "
