@@ -6,11 +6,58 @@
 >>> pipe = pipe.remove_tome()
 """
 
-from .api import apply_tome, install_methods, remove_tome, reset_tome, tome_config, tome_stats, uninstall_methods
-from .config import ToMeConfig
-from .merge import DownsamplePlan, MergePlan, bipartite_soft_matching_random2d, downsample_tokens
+import importlib as _importlib
+import os as _os
+import sys as _sys
+from typing import Any as _Any, Optional as _Optional, Sequence as _Sequence
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
+
+
+def _cli_help_only(argv: _Optional[_Sequence[str]] = None, orig_argv: _Optional[_Sequence[str]] = None) -> bool:
+    """Whether this process is the command line (``ppdiffusers-tome`` or ``python -m ppdiffusers_tome``) asked only
+    for ``--help`` or ``--version``, or given no arguments. Printing those needs neither Paddle nor ppdiffusers,
+    whose import takes seconds, so the package then skips it; every name below still imports on first use."""
+    argv = list(_sys.argv if argv is None else argv)
+    orig = list(getattr(_sys, "orig_argv", []) if orig_argv is None else orig_argv)
+    if argv and _os.path.basename(argv[0]) == "ppdiffusers-tome":
+        args = argv[1:]
+    elif "-m" in orig and orig[orig.index("-m") + 1 : orig.index("-m") + 2] == ["ppdiffusers_tome"]:
+        args = orig[orig.index("-m") + 2 :]
+    else:
+        return False
+    return not args or any(arg in ("-h", "--help", "--version") for arg in args)
+
+
+_LAZY = {
+    "apply_tome": "api", "install_methods": "api", "remove_tome": "api", "reset_tome": "api", "tome_config": "api",
+    "tome_status": "api", "tome_stats": "api", "uninstall_methods": "api", "ToMeConfig": "config",
+    "DownsamplePlan": "merge", "MergePlan": "merge", "bipartite_soft_matching_random2d": "merge",
+    "downsample_tokens": "merge",
+}
+
+
+def __getattr__(name: str) -> _Any:  # only reached when _cli_help_only() skipped the imports below
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(_importlib.import_module(f".{_LAZY[name]}", __name__), name)
+
+
+if not _cli_help_only():
+    from .api import (
+        apply_tome,
+        install_methods,
+        remove_tome,
+        reset_tome,
+        tome_config,
+        tome_stats,
+        tome_status,
+        uninstall_methods,
+    )
+    from .config import ToMeConfig
+    from .merge import DownsamplePlan, MergePlan, bipartite_soft_matching_random2d, downsample_tokens
+
+    install_methods()
 
 __all__ = [
     "ToMeConfig",
@@ -21,10 +68,9 @@ __all__ = [
     "remove_tome",
     "reset_tome",
     "tome_config",
+    "tome_status",
     "tome_stats",
     "bipartite_soft_matching_random2d",
     "install_methods",
     "uninstall_methods",
 ]
-
-install_methods()

@@ -20,6 +20,7 @@ __all__ = [
     "remove_tome",
     "reset_tome",
     "tome_config",
+    "tome_status",
     "tome_stats",
     "install_methods",
     "uninstall_methods",
@@ -128,8 +129,10 @@ def apply_tome(
 
     Every model in ``obj`` that holds transformer blocks gets its own patch (the VAE and text encoders never do).
     Applying again replaces the previous settings (twice is the same as once); a model patched by ppdiffusers'
-    built-in ``apply_tome`` is cleaned first. Arguments are validated before anything is touched (see
-    :class:`ToMeConfig` for their meaning and ranges); bad input raises ``ValueError`` and leaves ``obj`` as it was.
+    built-in ``apply_tome`` is cleaned of it once every model is patched. Arguments are validated before anything is
+    touched (see :class:`ToMeConfig` for their meaning and ranges); bad input raises ``ValueError`` and leaves
+    ``obj`` as it was. A failure half-way through the models leaves a built-in patch exactly as it was and puts
+    back this package's earlier settings (its counters and cached plans start afresh).
 
     Beyond tomesd: ``max_downsample="auto"`` (the default) finds the finest level with transformer blocks, so SDXL
     merges too; ``ratio=(0.6, 0.3)`` or a callable of the denoising progress schedules the ratio;
@@ -163,12 +166,16 @@ def apply_tome(
     targets = _targets(obj, for_apply=True)
     train_timesteps = _train_timesteps(obj)
     previous = [get_patch(model) for _, model in targets]
+    for patch in previous:  # refuse before anything changes if another thread is inside a forward
+        if patch is not None:
+            patch.check_idle()
     previous = [(p.config, p.train_timesteps) if p is not None else None for p in previous]
     installed: List[ModelPatch] = []
     try:
+        # ppdiffusers' built-in port (class swap, hook, _tome_info) stays until every target is patched: our hooks
+        # do not depend on the block classes, and a failure half-way then leaves the built-in patch untouched
         for name, model in targets:
-            _unpatch(model)
-            installed.append(ModelPatch.install(model, config, train_timesteps))
+            installed.append(ModelPatch.install(model, config, train_timesteps))  # replaces this package's patch
             logger.debug("ToMe applied to %s (%d blocks): %s", name, len(installed[-1].blocks), config)
     except BaseException:
         for patch in installed:
@@ -177,6 +184,9 @@ def apply_tome(
             if before is not None and get_patch(model) is None:
                 ModelPatch.install(model, *before)
         raise
+    for name, model in targets:
+        if remove_builtin_tome(model):
+            logger.debug("removed ppdiffusers' built-in ToMe patch from %s", name)
     return obj
 
 
@@ -208,7 +218,12 @@ def remove_tome(obj: Any) -> Any:
         >>> ppdiffusers_tome.tome_config(unet) is None
         True
     """
-    for _, model in _targets(obj, for_apply=False):
+    targets = _targets(obj, for_apply=False)
+    for _, model in targets:  # refuse before anything changes if another thread is inside a forward
+        patch = get_patch(model)
+        if patch is not None:
+            patch.check_idle()
+    for _, model in targets:
         _unpatch(model)
     return obj
 
@@ -235,10 +250,90 @@ def reset_tome(obj: Any) -> Any:
     return obj
 
 
-def tome_config(model: Any) -> Optional[ToMeConfig]:
-    """The :class:`ToMeConfig` applied to ``model`` by this package, or ``None``."""
-    patch = get_patch(model)
-    return patch.config if patch is not None else None
+def tome_config(obj: Any) -> Optional[ToMeConfig]:
+    """The :class:`ToMeConfig` this package applied to ``obj`` (a model, a pipeline, a MultiControlNet or a list of
+    models), or ``None`` when none of its models carries this package's ToMe.
+
+    For a pipeline or a list it is the config its patched models share (``apply_tome`` on a pipeline gives each
+    model the same one); models without ToMe are ignored. If the models carry different configs there is no single
+    answer, and a ``ValueError`` says which model has which. ppdiffusers' built-in ToMe is not a
+    :class:`ToMeConfig`: use :func:`tome_status` to see it, or to see each model.
+
+    Example:
+        >>> import ppdiffusers_tome
+        >>> from ppdiffusers_tome.testing import tiny_sd_pipeline
+        >>> pipe = tiny_sd_pipeline()
+        >>> ppdiffusers_tome.tome_config(pipe) is None
+        True
+        >>> ppdiffusers_tome.tome_config(pipe.apply_tome(ratio=0.4)).ratio
+        0.4
+    """
+    patch = get_patch(obj)
+    if patch is not None:
+        return patch.config
+    if not (isinstance(obj, (DiffusionPipeline, list, tuple)) or _is_multi_controlnet(obj)):
+        return None
+    found = [(name, get_patch(model)) for name, model in _targets(obj, for_apply=False)]
+    configs = [(name, patch.config) for name, patch in found if patch is not None]
+    if not configs:
+        return None
+    if any(config != configs[0][1] for _, config in configs[1:]):
+        detail = "; ".join(f"{name}: {config}" for name, config in configs)
+        raise ValueError(
+            f"the models of this {type(obj).__name__} carry different ToMe configs ({detail}); ask each model, "
+            "or use ppdiffusers_tome.tome_status"
+        )
+    return configs[0][1]
+
+
+def _builtin_patch(model: paddle.nn.Layer) -> Tuple[int, Optional[Dict[str, Any]]]:
+    """Blocks of ``model`` that ppdiffusers' built-in ToMe has swapped to its own class, and that port's settings."""
+    blocks = [
+        layer
+        for _, layer in model.named_sublayers(include_self=True)
+        if type(layer).__name__.startswith("ToMe") and isinstance(type(layer).__dict__.get("_parent"), type)
+    ]
+    if not blocks:
+        return 0, None
+    info = model.__dict__.get("_tome_info") or blocks[0].__dict__.get("_tome_info")
+    args = info.get("args") if isinstance(info, dict) else None
+    return len(blocks), dict(args) if isinstance(args, dict) else {}
+
+
+def tome_status(obj: Any) -> Dict[str, Dict[str, Any]]:
+    """Which ToMe is active on each model of ``obj`` (a pipeline, a model, a MultiControlNet or a list of models),
+    with its settings. The one documented way to answer "is ToMe on?".
+
+    For every model that has transformer blocks (for a pipeline: its UNet, ControlNets, DiT transformer; never the
+    VAE or text encoders), keyed by component name:
+
+    * ``"active"``: ``"ppdiffusers_tome"`` (this package), ``"builtin"`` (ppdiffusers' own port, which
+      ``pipe.apply_tome`` runs when ``ppdiffusers_tome`` was not imported), or ``None``. Each removes the other
+      when applied, so both at once should not happen; if it does, this reads ``"ppdiffusers_tome+builtin"``
+      and ``settings`` are this package's;
+    * ``"settings"``: the settings of the active ToMe as a dict (:meth:`ToMeConfig.to_dict`, or the built-in
+      port's arguments), or ``None``;
+    * ``"blocks"``: how many transformer blocks it patched (0 when none).
+
+    Example:
+        >>> import ppdiffusers_tome
+        >>> from ppdiffusers_tome.testing import tiny_sd_pipeline
+        >>> pipe = tiny_sd_pipeline().apply_tome(ratio=0.3)
+        >>> status = ppdiffusers_tome.tome_status(pipe)["unet"]
+        >>> status["active"], status["settings"]["ratio"], status["blocks"]
+        ('ppdiffusers_tome', 0.3, 7)
+    """
+    status: Dict[str, Dict[str, Any]] = {}
+    for name, model in _targets(obj, for_apply=False):
+        patch = get_patch(model)
+        builtin_blocks, builtin_settings = _builtin_patch(model)
+        active = [label for label, on in (("ppdiffusers_tome", patch is not None), ("builtin", builtin_blocks)) if on]
+        if patch is not None:
+            settings, blocks = patch.config.to_dict(), len(patch.blocks)
+        else:
+            settings, blocks = builtin_settings, builtin_blocks
+        status[name] = {"active": "+".join(active) or None, "settings": settings, "blocks": blocks}
+    return status
 
 
 def tome_stats(obj: Any) -> Dict[str, Dict[str, int]]:

@@ -246,3 +246,52 @@ def test_uninstall_and_reinstall_methods():
     finally:
         api.install_methods()
     assert ModelMixin.__dict__["apply_tome"] is api._apply_method
+
+
+# "is ToMe on?": tome_config for pipelines, tome_status ----------------------------------------------------------
+def test_tome_config_answers_for_pipelines_and_lists():
+    pipe = tiny_controlnet_pipeline()
+    assert ppdiffusers_tome.tome_config(pipe) is None
+    pipe.apply_tome(ratio=0.4)
+    expected = ppdiffusers_tome.ToMeConfig(ratio=0.4)
+    assert ppdiffusers_tome.tome_config(pipe) == expected == ppdiffusers_tome.tome_config(pipe.unet)
+    assert ppdiffusers_tome.tome_config([pipe.unet, pipe.controlnet]) == expected
+    pipe.remove_tome()
+    assert ppdiffusers_tome.tome_config(pipe) is None
+    pipe.unet.apply_tome(ratio=0.2)  # only the UNet: the pipeline's answer is the UNet's
+    assert ppdiffusers_tome.tome_config(pipe).ratio == 0.2
+    pipe.controlnet.apply_tome(ratio=0.3)
+    with pytest.raises(ValueError, match=r"different ToMe configs \(unet: .*ratio=0.2.*controlnet: .*ratio=0.3"):
+        ppdiffusers_tome.tome_config(pipe)
+    assert ppdiffusers_tome.tome_config("not a model") is None
+
+
+def test_tome_status_tells_ours_from_the_builtin_port_with_settings():
+    pipe = tiny_controlnet_pipeline()
+    blocks = {name: len(find_blocks(getattr(pipe, name))) for name in ("unet", "controlnet")}
+    off = ppdiffusers_tome.tome_status(pipe)
+    assert off == {name: {"active": None, "settings": None, "blocks": 0} for name in blocks}
+
+    pipe.apply_tome(ratio=0.4, merge_crossattn=True)
+    ours = ppdiffusers_tome.tome_status(pipe)
+    for name, count in blocks.items():
+        assert ours[name]["active"] == "ppdiffusers_tome" and ours[name]["blocks"] == count > 0
+        assert ours[name]["settings"] == ppdiffusers_tome.ToMeConfig(ratio=0.4, merge_crossattn=True).to_dict()
+    pipe.remove_tome()
+
+    api.uninstall_methods()  # what a script that never imported ppdiffusers_tome gets from pipe.apply_tome
+    try:
+        pipe.apply_tome(ratio=0.3)
+    finally:
+        api.install_methods()
+    builtin = ppdiffusers_tome.tome_status(pipe)
+    for name, count in blocks.items():
+        assert builtin[name]["active"] == "builtin" and builtin[name]["blocks"] == count
+        assert builtin[name]["settings"]["ratio"] == 0.3 and builtin[name]["settings"]["max_downsample"] == 1
+    paddle.nn.Layer.remove_tome(pipe.unet)  # the port's own removal leaves _tome_info behind: still "off"
+    assert ppdiffusers_tome.tome_status(pipe.unet)["UNet2DConditionModel"]["active"] is None
+
+    unet = tiny_unet().apply_tome(ratio=0.5)
+    builtin_apply(unet, ratio=0.2)  # the port calls model.remove_tome() first, which is ours: only the port is left
+    status = ppdiffusers_tome.tome_status(unet)["UNet2DConditionModel"]
+    assert status["active"] == "builtin" and status["settings"]["ratio"] == 0.2 and get_patch(unet) is None
