@@ -297,7 +297,7 @@ def partition_table(h: int, w: int, sx: int, sy: int, step: paddle.Tensor, seed:
 
     >>> import paddle
     >>> table = partition_table(4, 4, 2, 2, step_key(999), seed=0, blocks=1)
-    >>> table.shape, sorted(table[0].numpy().tolist()) == list(range(16))
+    >>> list(table.shape), sorted(table[0].numpy().tolist()) == list(range(16))
     ([2, 16], True)
     """
     grid = _grid(int(h), int(w), int(sx), int(sy))
