@@ -20,6 +20,7 @@ __all__ = [
     "remove_tome",
     "reset_tome",
     "tome_config",
+    "tome_models",
     "tome_status",
     "tome_stats",
     "install_methods",
@@ -106,6 +107,20 @@ def _targets(obj: Any, for_apply: bool) -> List[Tuple[str, paddle.nn.Layer]]:
                 "controlnet or its DiT / PixArt-alpha transformer, not to the VAE or a text encoder"
             )
     return layers
+
+
+def tome_models(obj: Any, patchable: bool = False) -> List[Tuple[str, paddle.nn.Layer]]:
+    """The models ToMe acts on inside ``obj`` (a pipeline, a model, a MultiControlNet or a list), as
+    ``(name, model)`` in a stable order: a pipeline's UNet / ControlNets / DiT transformer, a MultiControlNet net by
+    net. With ``patchable=True`` it raises ``ValueError`` (naming the reason) when ``obj`` holds no model ToMe can
+    patch, exactly as :func:`apply_tome` would.
+
+    Example:
+        >>> from ppdiffusers_tome.testing import tiny_controlnet_pipeline
+        >>> [name for name, _ in tome_models(tiny_controlnet_pipeline(num_controlnets=2))]
+        ['unet', 'controlnet.nets.0', 'controlnet.nets.1']
+    """
+    return _targets(obj, for_apply=patchable)
 
 
 def apply_tome(
