@@ -11,12 +11,13 @@ import paddle
 from ppdiffusers import DiffusionPipeline, ModelMixin
 
 from .config import RatioSpec, ToMeConfig
-from .patch import ModelPatch, find_blocks, get_patch, remove_builtin_tome
+from .patch import ModelPatch, find_blocks, get_patch
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "apply_tome",
+    "remove_builtin_tome",
     "remove_tome",
     "reset_tome",
     "tome_config",
@@ -33,6 +34,33 @@ _SKIPPED_COMPONENTS = ("vae", "vqvae", "text_encoder", "tokenizer", "safety_chec
 
 def _is_multi_controlnet(obj: Any) -> bool:
     return type(obj).__name__ == "MultiControlNetModel" and isinstance(getattr(obj, "nets", None), paddle.nn.LayerList)
+
+
+def remove_builtin_tome(model: paddle.nn.Layer) -> bool:
+    """Undo ppdiffusers' built-in ToMe port on ``model`` (class swap, size hook, ``_tome_info``), if present.
+
+    Returns whether anything was removed. The built-in ``remove_tome`` leaves its ``_tome_info`` attributes behind;
+    this removes them too. (:func:`apply_tome` and :func:`remove_tome` call it for you.)
+
+    Example:
+        >>> from ppdiffusers_tome.testing import tiny_unet
+        >>> remove_builtin_tome(tiny_unet())   # nothing to undo
+        False
+    """
+    found = False
+    for _, layer in model.named_sublayers(include_self=True):
+        info = layer.__dict__.get("_tome_info")
+        if isinstance(info, dict):
+            for handle in info.get("hooks", []):
+                handle.remove()
+            info.get("hooks", []).clear()
+            del layer.__dict__["_tome_info"]
+            found = True
+        parent = type(layer).__dict__.get("_parent")
+        if type(layer).__name__.startswith("ToMe") and isinstance(parent, type):
+            layer.__class__ = parent
+            found = True
+    return found
 
 
 def _bad_input(obj: Any) -> ValueError:

@@ -17,6 +17,7 @@ from .merge import DOWNSAMPLE_MODES, max_ratio
 
 __all__ = [
     "ToMeConfig",
+    "check_ratio",
     "ALLOWED_MAX_DOWNSAMPLE",
     "METHODS",
     "MAX_STRIDE",
@@ -86,6 +87,29 @@ def _shown(value: Any) -> str:
     if hasattr(value, "shape") and hasattr(value, "dtype"):  # numpy array, paddle Tensor
         text += " (pass a plain Python value, not an array or a Tensor)"
     return text
+
+
+def check_ratio(value: Any, sx: int, sy: int, where: str = "") -> float:
+    """``value`` as a float if it is an admissible merge ratio for strides ``sx``, ``sy`` (0, or strictly between 0
+    and ``1 - 1/(sx*sy)``), else a ``ValueError`` naming ``ratio<where>`` and the range. The one ratio rule, used
+    when a config is made and when a ratio schedule is evaluated during a call.
+
+    >>> check_ratio(0.5, 2, 2)
+    0.5
+    >>> check_ratio(0.9, 2, 2, "(progress=0.550)")
+    Traceback (most recent call last):
+    ...
+    ValueError: ratio(progress=0.550) must be in [0, 0.75) for sx=2, sy=2 (the limit is 1 - 1/(sx*sy)); got 0.9
+    """
+    limit = max_ratio(sx, sy)
+    # (value != value) is NaN without math.isnan, which overflows on huge ints
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or value != value:
+        forms = ", a (start, end) pair or a callable of the progress" if not where else ""
+        raise ValueError(f"ratio{where} must be a number in [0, {limit:g}){forms}; got {_shown(value)}")
+    if value != 0 and not 0 < value < limit:
+        allowed = f"[0, {limit:g}) for sx={sx}, sy={sy} (the limit is 1 - 1/(sx*sy))"
+        raise ValueError(f"ratio{where} must be in {allowed}; got {_shown(value)}")
+    return float(value)
 
 
 @dataclass(frozen=True)
@@ -188,17 +212,8 @@ class ToMeConfig:
         object.__setattr__(self, "recompute_every", self._checked_recompute(self.recompute_every))
 
     def _checked_ratio(self, ratio: Any) -> RatioSpec:
-        limit = max_ratio(self.sx, self.sy)
-        allowed = f"[0, {limit:g}) for sx={self.sx}, sy={self.sy} (the limit is 1 - 1/(sx*sy))"
-
         def check(value: Any, where: str) -> float:
-            # (value != value) is NaN without math.isnan, which overflows on huge ints
-            if isinstance(value, bool) or not isinstance(value, numbers.Real) or value != value:
-                forms = ", a (start, end) pair or a callable of the progress" if not where else ""
-                raise ValueError(f"ratio{where} must be a number in [0, {limit:g}){forms}; got {_shown(value)}")
-            if value != 0 and not 0 < value < limit:
-                raise ValueError(f"ratio{where} must be in {allowed}; got {_shown(value)}")
-            return float(value)
+            return check_ratio(value, self.sx, self.sy, where)
 
         if isinstance(ratio, (tuple, list)):
             if len(ratio) != 2:

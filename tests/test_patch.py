@@ -110,7 +110,7 @@ def test_chunked_feed_forward_is_left_alone():
 def plans_seen(unet, calls):
     """Run ``calls`` (each a kwargs dict for the UNet) and return the first block's plan object in each."""
     patch, seen = get_patch(unet), []
-    handle = find_blocks(unet)[0][1].attn1.register_forward_pre_hook(lambda layer, args: seen.append(patch.blocks[0].plan))
+    handle = find_blocks(unet)[0][1].attn1.register_forward_pre_hook(lambda layer, args: seen.append(patch.plan_in_flight(0)))
     with paddle.no_grad():
         for kwargs in calls:
             unet(**kwargs)
@@ -418,7 +418,7 @@ def test_ratio_schedule_can_switch_merging_off_late_and_reports_bad_values_clear
         unet(**at(100))
         assert get_patch(unet).state.merged_blocks == 0
     ppdiffusers_tome.apply_tome(unet, ratio=lambda p: 0.9 if 0.52 < p < 0.58 else 0.3)  # passes the 11 probes
-    with pytest.raises(ValueError, match=r"ratio\(progress=0.550\) returned 0.9; it must be a number in \[0, 0.75\)"):
+    with pytest.raises(ValueError, match=r"ratio\(progress=0.550\) must be in \[0, 0.75\) for sx=2, sy=2.*got 0.9"):
         with paddle.no_grad():
             unet(**at(450))
 
@@ -435,7 +435,7 @@ def test_pipeline_progress_uses_its_schedulers_training_timesteps():
     assert patch.train_timesteps == 500
     ratios = []
     handle = find_blocks(pipe.unet)[0][1].attn1.register_forward_pre_hook(
-        lambda layer, args: ratios.append(patch.blocks[0].plan.r / 256 if patch.blocks[0].plan else 0.0)
+        lambda layer, args: ratios.append(patch.plan_in_flight(0).r / 256 if patch.plan_in_flight(0) else 0.0)
     )
     run(pipe, steps=2)  # DDIM with 500 training steps and 2 steps: t = 250, then 0
     handle.remove()
@@ -463,7 +463,7 @@ def test_an_error_inside_a_patched_forward_leaves_the_model_usable():
     with pytest.raises(Exception):
         with paddle.no_grad():
             unet(sample, t, paddle.randn([2, 5, 7]))  # wrong context width fails inside attn2
-    assert all(hooks.plan is None for hooks in get_patch(unet).blocks)
+    assert all(get_patch(unet).plan_in_flight(i) is None for i in range(len(get_patch(unet).blocks)))
     with paddle.no_grad():
         out = unet(sample, t, context).sample
     assert np.isfinite(out.numpy()).all()
@@ -663,8 +663,8 @@ def test_plan_cache_stays_bounded_when_every_call_has_the_same_timestep():
     ppdiffusers_tome.apply_tome(unet, ratio=0.5, recompute_every=4)
     call = dict(sample=sample, timestep=t[:1], encoder_hidden_states=context)  # a one-step model, called 20 times
     plans_seen(unet, [call] * 20)
-    cache = get_patch(unet).state.call.cache
-    assert 0 < len(cache) <= 3 * get_patch(unet).state.MAX_SLOTS
+    cache = get_patch(unet).state.history.cache
+    assert 0 < len(cache) <= 3 * get_patch(unet).state.history.MAX_SLOTS
 
 
 def test_a_cached_plan_is_not_reused_on_another_grid_and_reset_tome_forgets_it():

@@ -95,7 +95,7 @@ def test_dit_pipeline_merges_on_its_patch_grid_and_is_restored_exactly(options):
     patch = get_patch(pipe.transformer)
     grids = []
     handle = pipe.transformer.transformer_blocks[2].attn1.register_forward_pre_hook(
-        lambda layer, args: grids.append(patch.blocks[2].plan)
+        lambda layer, args: grids.append(patch.plan_in_flight(2))
     )
     merged = run_dit(pipe)
     handle.remove()
@@ -122,7 +122,7 @@ def test_pixart_style_transformer_reads_the_timestep_from_its_third_positional_a
         vanilla = model(x, context, paddle.to_tensor([500, 500]), added_cond_kwargs=added).sample.numpy()
         ppdiffusers_tome.apply_tome(model, ratio=(0.6, 0.0))
         patch, rs = get_patch(model), []
-        handle = model.transformer_blocks[0].attn1.register_forward_pre_hook(lambda layer, args: rs.append(patch.blocks[0].plan.r))
+        handle = model.transformer_blocks[0].attn1.register_forward_pre_hook(lambda layer, args: rs.append(patch.plan_in_flight(0).r))
         merged = model(x, context, paddle.to_tensor([500, 500]), added_cond_kwargs=added).sample.numpy()
         model(x, context, paddle.to_tensor([250, 250]), added_cond_kwargs=added)
         handle.remove()

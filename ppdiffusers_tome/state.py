@@ -1,0 +1,385 @@
+"""Runtime state of one patched model: the record of the call in flight and the step history, per thread.
+
+:class:`ToMeState` is the only writer of both; the hooks in :mod:`ppdiffusers_tome.hooks` and the planning in
+:mod:`ppdiffusers_tome.patch` go through its methods. Two kinds of per-thread data, kept apart because they live for
+different lengths of time:
+
+* :class:`CallRecord` — what one forward call needs and forgets at its end: latent size, timestep, the partition
+  tables drawn for it, each block's plan, the sub-layers waiting for their unmerge;
+* :class:`StepHistory` — what outlives calls, for ``recompute_every``: the denoising step and slot, the cached plans.
+
+Nothing here reads a tensor on the host unless the config needs a Python number (a ratio schedule or plan caching).
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from typing import Any, Dict, Optional, Tuple
+
+import numpy as np
+import paddle
+
+from .config import ToMeConfig
+from .merge import MergePlan, partition_table, step_key, tracing
+
+__all__ = ["CallRecord", "StepHistory", "ToMeState", "ToMeStaticGraphError", "timestep_values"]
+
+
+class ToMeStaticGraphError(RuntimeError):
+    """Raised when a ToMe option cannot be converted to a static graph (``paddle.jit.to_static``)."""
+
+
+def timestep_values(timestep: Any) -> Optional[np.ndarray]:
+    """The distinct timestep values of a call (float64, sorted), or None when there is none. Reads the timestep on
+    the host: only options that need a Python number (a ratio schedule, plan caching) call this.
+
+    >>> timestep_values([999, 999, 500]).tolist()
+    [500.0, 999.0]
+    """
+    if timestep is None:
+        return None
+    if isinstance(timestep, paddle.Tensor):
+        values = timestep.detach().astype("float64").numpy()
+    else:
+        try:
+            values = np.asarray(timestep, dtype=np.float64)
+        except (TypeError, ValueError):
+            return None
+    values = np.unique(values.reshape(-1))
+    return values if values.size else None
+
+
+def _take(table: Dict, key: Any) -> Any:
+    """``table.pop(key, None)`` spelled so that Paddle's SOT tracer can follow it."""
+    if key in table:
+        return table.pop(key)
+    return None
+
+
+class CallRecord:
+    """The call in flight in one thread (cleared by :meth:`ToMeState.end_call`)."""
+
+    def __init__(self) -> None:
+        self.latent_hw: Optional[Tuple[int, int]] = None
+        self.timestep: Any = None  # as passed to the model (a device tensor stays on the device)
+        self.step_key: Any = None  # 0-d int64 device tensor made from it when a block first needs a partition
+        self.partitions: Dict[str, Any] = {}  # "<h>x<w>" -> partition table of every block at that grid
+        self.timestep_key: Optional[Tuple[int, ...]] = None  # host copy, only with plan caching / schedules
+        self.progress = 0.0  # 1 - t/T of the call: 0 at pure noise, 1 at the clean image
+        self.number = 0  # which call of the model this is (keys the partition when there is no timestep)
+        self.saved: Any = None  # the step history before this call, restored if the call fails
+        self.merged_blocks = 0  # (kept after the call ends, for reporting)
+        self.finest_level: Optional[int] = None  # (kept after the call ends, for reporting)
+        self.plans: Dict[int, Any] = {}  # block index -> plan of this call
+        self.active: Dict[str, MergePlan] = {}  # "<block>/<sub-layer>" -> plan whose unmerge is pending
+
+
+class StepHistory:
+    """Denoising steps seen by one thread, for plan caching: a step is a run of calls with the same timestep."""
+
+    MAX_SLOTS = 8  # calls at one timestep beyond this start a new generation (bounds the plan cache)
+
+    def __init__(self) -> None:
+        self.epoch = 0  # the state's reset count this history belongs to
+        self.clear()
+
+    def clear(self) -> None:
+        self.step = -1
+        self.slot = 0  # which call at this step this is (the unprompted half of split guidance is slot 1)
+        self.last_key: Any = None
+        self.last_progress: Optional[float] = None
+        self.cache: Dict[str, Tuple[Any, int, Tuple[int, int]]] = {}  # "<block>/<slot>" -> (plan, step, grid)
+
+    def snapshot(self) -> Tuple[Any, ...]:
+        return self.step, self.slot, self.last_key, self.last_progress, dict(self.cache)
+
+    def restore(self, saved: Tuple[Any, ...]) -> None:
+        self.step, self.slot, self.last_key, self.last_progress, cache = saved
+        self.cache = dict(cache)
+
+    def advance(self, key: Any, progress: Optional[float]) -> None:
+        """Count a call: calls with the same key are one step (slots 0, 1, ...); a timestep noisier than the last
+        one starts a new generation, which forgets the cached plans. So does a run of more than ``MAX_SLOTS`` calls
+        at one timestep (a one-step model called again and again)."""
+        if self.last_key is not None and key == self.last_key and self.slot + 1 < self.MAX_SLOTS:
+            self.slot += 1
+            return
+        restart = progress is not None and self.last_progress is not None and progress < self.last_progress
+        restart = restart or (self.last_key is not None and key == self.last_key)
+        if self.last_key is None or restart:
+            self.step = 0
+            self.cache.clear()
+        else:
+            self.step += 1
+        self.slot = 0
+        self.last_key = key
+        self.last_progress = progress
+
+
+class _PerThread(threading.local):
+    def __init__(self) -> None:
+        self.call = CallRecord()
+        self.history = StepHistory()
+
+
+class ToMeState:
+    """Runtime state of one patched model: the call in flight and the step history (per thread), and counters.
+
+    The random partition of a block is a hash of ``(seed, block, grid, timestep, cell)`` computed on the device
+    from the timestep tensor (see :func:`ppdiffusers_tome.merge.partition_table`), so it does not depend on how
+    many calls came before, does not touch Paddle's RNG, reads nothing back to the host, and is the same for the
+    prompted and unprompted halves of classifier-free guidance even when they arrive in separate calls. (A model
+    called without a timestep falls back to keying by the number of the call.)
+
+    Thread safety: every call keeps its own record per thread; :meth:`reset` only drops counters and each thread's
+    step history (at that thread's next call), never a call in flight; :meth:`busy_elsewhere` tells the patch
+    whether another thread is inside a forward.
+
+    >>> state = ToMeState(ToMeConfig(), num_blocks=2)
+    >>> state.begin_call(paddle.zeros([1, 4, 8, 8]), paddle.to_tensor(999))
+    >>> state.latent_hw, state.busy_elsewhere()
+    ((8, 8), 0)
+    >>> state.end_call()
+    """
+
+    COUNTERS = ("calls", "merges", "plans_computed", "plans_reused", "warned_no_merge", "warned_timestep_range")
+
+    def __init__(self, config: ToMeConfig, train_timesteps: int = 1000, num_blocks: int = 1):
+        self.config = config
+        self.train_timesteps = int(train_timesteps)
+        self.num_blocks = int(num_blocks)
+        tome = config.method == "tome"
+        # only a ratio schedule (r is a shape) and plan caching (steps) need the timestep as a Python number;
+        # reading it is a device-to-host sync and cannot be traced into a static graph
+        self.reads_timestep = tome and (config.is_scheduled or config.caches_plans)
+        self._threads = _PerThread()
+        self._lock = threading.Lock()
+        self.in_flight: Dict[int, int] = {}  # thread ident -> calls of this model running in that thread
+        self.epoch = 0
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget what earlier calls left: counters, and every thread's step history and cached plans (each thread
+        drops its own at its next call). A call in flight in another thread is not disturbed."""
+        with self._lock:
+            self.epoch += 1
+        self.calls = 0
+        self.merges = 0  # sub-layer calls that ran on merged tokens, all calls together
+        self.plans_computed = 0
+        self.plans_reused = 0
+        self.warned_no_merge = False
+        self.warned_timestep_range = False
+
+    # copies: settings and counters, no call in flight (thread-locals and locks cannot be copied or pickled) --------
+    def __deepcopy__(self, memo) -> "ToMeState":
+        twin = ToMeState(self.config, self.train_timesteps, self.num_blocks)
+        for name in self.COUNTERS:
+            setattr(twin, name, getattr(self, name))
+        memo[id(self)] = twin
+        return twin
+
+    def __getstate__(self) -> Dict[str, Any]:
+        skipped = ("_threads", "_lock", "in_flight")
+        return {name: value for name, value in self.__dict__.items() if name not in skipped}
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._threads = _PerThread()
+        self._lock = threading.Lock()
+        self.in_flight = {}
+
+    # what the current call in this thread looks like ------------------------------------------------------------
+    @property
+    def call(self) -> CallRecord:
+        return self._threads.call
+
+    @property
+    def history(self) -> StepHistory:
+        return self._threads.history
+
+    @property
+    def latent_hw(self) -> Optional[Tuple[int, int]]:
+        return self._threads.call.latent_hw
+
+    @property
+    def progress(self) -> float:
+        return self._threads.call.progress
+
+    @property
+    def merged_blocks(self) -> int:
+        """Blocks that merged during the latest call in this thread."""
+        return self._threads.call.merged_blocks
+
+    @property
+    def finest_level(self) -> Optional[int]:
+        """Smallest downsampling factor seen at a transformer block during the latest call in this thread."""
+        return self._threads.call.finest_level
+
+    # a call's lifetime ---------------------------------------------------------------------------------------------
+    def begin_call(self, sample: Any, timestep: Any) -> None:
+        """Start the record of a forward call (the model's pre-hook)."""
+        self._forget_history_after_reset()
+        shape = getattr(sample, "shape", None)
+        latent_hw = (int(shape[-2]), int(shape[-1])) if shape is not None and len(shape) == 4 else None
+        if self.reads_timestep:
+            self._read_timestep(timestep)  # may raise: then nothing below has changed
+        self.calls += 1
+        call = self._threads.call
+        call.number = self.calls
+        call.merged_blocks, call.finest_level = 0, None
+        call.plans.clear()
+        call.active.clear()
+        call.partitions.clear()
+        call.latent_hw = latent_hw
+        call.timestep, call.step_key = timestep, None
+        self._count_in_flight(+1)
+
+    def end_call(self, completed: bool = True) -> None:
+        """Drop what only the call in flight may use (plans, size, timestep); the counters for reporting stay. A call
+        that failed puts the step history back as it was before it, so running the same generation again gives
+        what a fresh model gives."""
+        call = self._threads.call
+        if not completed and call.saved is not None:
+            self._threads.history.restore(call.saved)
+        call.saved = None
+        call.plans.clear()
+        call.active.clear()
+        call.partitions.clear()
+        call.latent_hw = None
+        call.timestep, call.step_key, call.timestep_key = None, None, None
+        self._count_in_flight(-1)
+
+    def forget_calls_in_flight(self) -> None:
+        """Drop every in-flight count (when the patch is removed: what is left belongs to calls that never ended)."""
+        with self._lock:
+            self.in_flight.clear()
+
+    def busy_elsewhere(self) -> int:
+        """How many calls of this model are running in other threads right now."""
+        ident = threading.get_ident()
+        with self._lock:
+            return sum(count for thread, count in self.in_flight.items() if thread != ident)
+
+    def _count_in_flight(self, change: int) -> None:
+        ident = threading.get_ident()
+        with self._lock:
+            count = self.in_flight.get(ident, 0) + change
+            if count > 0:
+                self.in_flight[ident] = count
+            else:
+                self.in_flight.pop(ident, None)
+
+    def _forget_history_after_reset(self) -> None:
+        history = self._threads.history
+        if history.epoch != self.epoch:
+            history.epoch = self.epoch
+            history.clear()
+
+    def _read_timestep(self, timestep: Any) -> None:
+        """The host-side part of a call for a ratio schedule or plan caching: the progress and the step count."""
+        if tracing():
+            what = "a ratio schedule" if self.config.is_scheduled else "recompute_every"
+            raise ToMeStaticGraphError(
+                f"ToMe with {what} cannot be converted with paddle.jit.to_static: it reads the timestep at run time "
+                "(the scheduled ratio decides how many tokens merge, a shape; the plan cache counts steps) and would "
+                "be frozen into the program. Use a constant ratio and recompute_every=1 before converting."
+            )
+        values = timestep_values(timestep)
+        if values is not None and not np.isfinite(values).all():
+            raise ValueError(
+                f"ToMe got a timestep that is not finite ({values.tolist()}); a ratio schedule and plan caching need "
+                "a finite timestep. Check the scheduler's timesteps (NaN usually comes from an earlier numeric error)."
+            )
+        call, history = self._threads.call, self._threads.history
+        call.saved = history.snapshot()
+        call.timestep_key = None if values is None else tuple(int(v) for v in values.view(np.uint64))
+        progress = None if values is None else self._progress_of(float(values[-1]))  # the noisiest item decides
+        call.progress = 0.0 if progress is None else progress
+        key = call.timestep_key if call.timestep_key is not None else ("call", self.calls + 1)
+        history.advance(key, progress)
+
+    def _progress_of(self, timestep: float) -> float:
+        progress = 1.0 - timestep / self.train_timesteps
+        if not 0.0 <= progress <= 1.0 and self.config.is_scheduled and not self.warned_timestep_range:
+            self.warned_timestep_range = True
+            warnings.warn(
+                f"ToMe's ratio schedule got timestep {timestep:g}, outside [0, {self.train_timesteps}] "
+                "(num_train_timesteps of the pipeline's scheduler, 1000 for a bare model): the progress "
+                "1 - t/T is clipped to [0, 1]. Schedulers with continuous or sigma-based timesteps (EDM) do "
+                "not fit a ratio schedule; use a constant ratio with them.",
+                UserWarning,
+                stacklevel=4,
+            )
+        return min(max(progress, 0.0), 1.0)
+
+    # what the hooks record during a call ----------------------------------------------------------------------------
+    def saw_level(self, level: int) -> int:
+        """Note that a transformer block ran at downsampling ``level``; returns the finest level seen so far."""
+        call = self._threads.call
+        if call.finest_level is None or level < call.finest_level:
+            call.finest_level = level
+        return call.finest_level
+
+    def set_plan(self, block_index: int, plan: Any) -> None:
+        """The plan of block ``block_index`` for the call in flight (counted as merging unless an identity)."""
+        call = self._threads.call
+        call.plans[block_index] = plan
+        if not plan.is_identity:
+            call.merged_blocks += 1
+
+    def plan_of(self, block_index: int) -> Any:
+        """The plan of block ``block_index`` in the call in flight in this thread, or None."""
+        plans = self._threads.call.plans
+        return plans[block_index] if block_index in plans else None
+
+    def end_block(self, block_index: int) -> None:
+        """Forget a block's plan and any unmerge it left pending (the block's post-hook)."""
+        call = self._threads.call
+        _take(call.plans, block_index)
+        prefix = f"{block_index}/"
+        for key in [k for k in call.active if k.startswith(prefix)]:
+            del call.active[key]
+
+    def begin_merge(self, key: str, plan: Any) -> None:
+        """A sub-layer ran on merged tokens; ``plan`` unmerges its output (``plan=None`` for ToDo: nothing to undo)."""
+        self.merges += 1
+        if plan is not None:
+            self._threads.call.active[key] = plan
+
+    def end_merge(self, key: str) -> Any:
+        """The plan that unmerges the output of sub-layer ``key`` (None when it did not merge)."""
+        return _take(self._threads.call.active, key)
+
+    # plan caching and partitions --------------------------------------------------------------------------------------
+    def cached_plan(self, block_index: int, batch: int, grid_h: int, grid_w: int) -> Optional[MergePlan]:
+        """The plan this block may reuse at the current step under ``recompute_every``, or None. A reused plan
+        keeps the ``r`` of the step it was computed at (with a ratio schedule, ``r`` follows the schedule at the
+        recompute steps)."""
+        history, every = self._threads.history, self.config.recompute_every
+        entry = history.cache.get(f"{block_index}/{history.slot}")
+        if entry is None:
+            return None
+        plan, step, grid = entry
+        if plan.batch_size != batch or grid != (grid_h, grid_w):
+            return None
+        if isinstance(every, tuple):
+            return None if history.step in every else plan
+        return plan if history.step - step < every else None
+
+    def store_plan(self, block_index: int, plan: MergePlan, grid_h: int, grid_w: int) -> None:
+        history = self._threads.history
+        history.cache[f"{block_index}/{history.slot}"] = (plan, history.step, (grid_h, grid_w))
+
+    def partition_for(self, block_index: int, grid_h: int, grid_w: int) -> Any:
+        """Block ``block_index``'s random partition of a ``grid_h x grid_w`` grid in the call in flight: a row of a
+        table drawn once per call and grid for every block, on the device, from the timestep tensor."""
+        call, key = self._threads.call, f"{grid_h}x{grid_w}"
+        table = call.partitions[key] if key in call.partitions else None
+        if table is None:
+            if call.step_key is None:  # no timestep given: the number of this call (then the history does matter)
+                call.step_key = step_key(call.timestep if call.timestep is not None else call.number)
+            config = self.config
+            table = partition_table(grid_h, grid_w, config.sx, config.sy, call.step_key, config.seed, self.num_blocks)
+            call.partitions[key] = table
+        return table[block_index]
