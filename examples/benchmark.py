@@ -33,7 +33,7 @@ def main(argv=None):
                                    repeats=args.repeats, methods=("vanilla", "tome", "bound"))
     cells = bench.run_grid(pipe, settings)
     methods = bench.method_list(settings)
-    logger.info("%s\n\n%s", bench.format_table(cells, methods), bench.format_details(cells))
+    logger.info("%s\n\n%s", bench.format_grid_table(cells, methods), bench.format_details(cells))
     os.makedirs(args.output, exist_ok=True)
     for path in bench.write_plots(cells, {}, args.output):
         logger.info("plot: %s", path)

@@ -25,6 +25,17 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
 import numpy as np
 import paddle
+import paddle.profiler as profiler
+import ppdiffusers
+from paddle.base.core import TracerEventType
+
+from . import __version__
+from .patch import find_blocks
+
+try:
+    import resource  # the process' lifetime peak, where /proc is missing (not Linux)
+except ImportError:  # pragma: no cover - Windows
+    resource = None
 
 __all__ = [
     "PeakMemory",
@@ -35,7 +46,7 @@ __all__ = [
     "environment",
     "median",
     "on_gpu",
-    "format_table",
+    "render_table",
     "Transfer",
     "TransferCounter",
     "OpCount",
@@ -55,9 +66,6 @@ def _rss_bytes() -> int:
         with open("/proc/self/statm", encoding="ascii") as f:
             return int(f.read().split()[1]) * _PAGE
     except OSError:  # not Linux: fall back to the process' lifetime peak (then ``added_bytes`` means little)
-        import resource
-        import sys
-
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         return peak if sys.platform == "darwin" else peak * 1024
 
@@ -154,10 +162,10 @@ class ForwardTimer:
         self._handles = []
 
 
-def format_table(rows: List[List[str]]) -> str:
+def render_table(rows: List[List[str]]) -> str:
     """Rows of strings (the first one the header) as an aligned text table.
 
-    >>> print(format_table([["a", "bb"], ["ccc", "d"]]))
+    >>> print(render_table([["a", "bb"], ["ccc", "d"]]))
     a   | bb
     ----+---
     ccc | d
@@ -207,10 +215,6 @@ def set_threads(threads: Optional[int]) -> int:
 
 def environment(threads: int, dtype: str) -> Dict[str, Any]:
     """What a result was measured on: versions, device, dtype, threads, machine and date."""
-    import ppdiffusers
-
-    from . import __version__
-
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "paddle": paddle.__version__,
@@ -406,8 +410,6 @@ def _ops_from_tree(result: Any) -> Optional[collections.Counter]:
     get_data = getattr(result, "get_data", None)
     if get_data is None:
         return None
-    from paddle.base.core import TracerEventType
-
     names: collections.Counter = collections.Counter()
     stack = list(get_data().values())
     while stack:
@@ -448,8 +450,6 @@ def count_ops(fn: Callable[[], Any]) -> OpCount:
     >>> count_ops(lambda: paddle.matmul(x, x).sum()).total
     2
     """
-    import paddle.profiler as profiler
-
     prof = profiler.Profiler(targets=[profiler.ProfilerTarget.CPU], on_trace_ready=lambda _: None)
     prof.start()
     try:
@@ -479,8 +479,6 @@ class MergingBlocks:
     """
 
     def __init__(self, models: Any):
-        from .patch import find_blocks
-
         models = list(models) if isinstance(models, (list, tuple)) else [models]
         self._blocks = [block for model in models for _, block in find_blocks(model)]
         self.count = 0

@@ -1,5 +1,6 @@
-"""The benchmark engine (ppdiffusers_tome/bench.py) and the ``bench`` command on tiny presets."""
+"""The benchmark engine (ppdiffusers_tome/bench/) and the ``bench`` command on tiny presets."""
 
+import contextlib
 import json
 import os
 
@@ -10,6 +11,7 @@ from PIL import Image
 
 import ppdiffusers_tome
 from ppdiffusers_tome import bench
+from ppdiffusers_tome.bench import runner, timesplit
 from ppdiffusers_tome.cli import main
 from ppdiffusers_tome.patch import get_patch
 from ppdiffusers_tome.presets import preset_pipeline
@@ -174,7 +176,7 @@ def test_time_split_cleans_up_when_it_fails(monkeypatch):
     def explode(*args, **kwargs):
         raise RuntimeError("inputs failed")
 
-    monkeypatch.setattr(bench, "DenoiserInputs", explode)
+    monkeypatch.setattr(timesplit, "DenoiserInputs", explode)  # where time_split looks it up
     settings = bench.BenchSettings(resolutions=[32], ratios=[0.5])
     with pytest.raises(RuntimeError, match="inputs failed"):
         bench.time_split(pipe, settings, 32, 1, bench.Method("tome", 0.5))
@@ -288,8 +290,8 @@ def test_gpu_branch_synchronises_every_timed_run_and_reads_the_allocator(monkeyp
     pipe = preset_pipeline("tiny")
     pipe.unet.register_forward_pre_hook(lambda layer, args: fake.log.append("forward"))
     pipe.unet.register_forward_post_hook(lambda layer, args, out: fake.log.append("done"))
-    real_clock = bench.time.perf_counter
-    monkeypatch.setattr(bench.time, "perf_counter", lambda: fake.log.append("clock") or real_clock())
+    real_clock = runner.time.perf_counter
+    monkeypatch.setattr(runner.time, "perf_counter", lambda: fake.log.append("clock") or real_clock())
     settings = bench.BenchSettings(resolutions=[32], methods=("vanilla", "tome"), repeats=2, warmup=1, unet_only=True,
                                    count_ops=False)
     cells = {c.label: c for c in bench.run_grid(pipe, settings, device=fake.device())}
@@ -336,3 +338,26 @@ def test_ops_per_block_column_on_a_tiny_preset(tmp_path, capsys):
     assert tome_row.rstrip().endswith(f"{cells['tome']['ops_per_block']:.1f}")
     assert main(args[:-2] + ["--no-op-count", "--output", str(tmp_path / "none")]) == 0
     assert all(c["ops"] is None and c["ops_per_block"] is None for c in load(tmp_path / "none")["cells"])
+
+
+def test_runner_wraps_every_run_and_keeps_what_the_demo_needs():
+    """The demo runs on the Runner: ``around_run`` is entered around every run (its step bar), and
+    ``Runner.outputs`` keeps each method's decoded images and forward times."""
+    pipe = preset_pipeline("tiny")
+    settings = bench.BenchSettings(resolutions=[32], steps=1, repeats=2, warmup=1, count_ops=False)
+    entered = []
+
+    @contextlib.contextmanager
+    def around(method, repeat):
+        entered.append((method.label, repeat))
+        yield
+
+    runner = bench.Runner(pipe, settings, around_run=around)
+    methods = bench.method_list(settings)
+    cells = {c.label: c for c in runner.run_cell(32, 1, methods)}
+    assert entered == [(m.label, r) for r in range(3) for m in methods]  # warm-up, then two timed runs, interleaved
+    vanilla, tome = runner.outputs["vanilla"], runner.outputs["tome@0.5"]
+    assert tome.images.shape == (1, 32, 32, 3) and len(tome.forward_seconds) == 2  # timed runs only
+    mse = np.mean((vanilla.images - tome.images) ** 2)  # PSNR of the kept images, computed here in float64
+    assert mse > 0 and cells["tome@0.5"].psnr_db == pytest.approx(10 * np.log10(1.0 / mse))
+    assert cells["tome@0.5"].unet_seconds == pytest.approx(np.median([np.median(r) for r in tome.forward_seconds]))

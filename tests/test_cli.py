@@ -167,7 +167,7 @@ def test_help_and_version_do_not_import_paddle(args):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     imported = {line.rsplit("|", 1)[-1].strip().split(".")[0] for line in done.stderr.splitlines() if "|" in line}
-    assert "ppdiffusers_tome" in imported and "numpy" in imported  # the listing works
+    assert "ppdiffusers_tome" in imported and "argparse" in imported  # the listing works
     assert not imported & {"paddle", "ppdiffusers", "paddlenlp"}
     assert done.stdout.strip()
 
@@ -208,13 +208,14 @@ def test_bench_refuses_the_largest_resolution_that_cannot_fit(monkeypatch, capsy
 
 
 def test_default_resolution_comes_from_the_preset_or_the_model_folder(tmp_path):
-    from ppdiffusers_tome.cli import _layout, build_parser
+    from ppdiffusers_tome.bench.commands import model_layout
+    from ppdiffusers_tome.cli import build_parser
 
     parser = build_parser()
-    assert _layout(parser.parse_args(["demo", "--preset", "tiny"]))[1] == 64
-    assert _layout(parser.parse_args(["bench", "--arch", "sdxl-narrow"]))[1] == 1024
+    assert model_layout(parser.parse_args(["demo", "--preset", "tiny"]))[1] == 64
+    assert model_layout(parser.parse_args(["bench", "--arch", "sdxl-narrow"]))[1] == 1024
     preset_pipeline("tiny").save_pretrained(str(tmp_path / "model"))
-    layout, size, label = _layout(parser.parse_args(["demo", "--model", str(tmp_path / "model")]))
+    layout, size, label = model_layout(parser.parse_args(["demo", "--model", str(tmp_path / "model")]))
     assert size == 8 * 2 and layout[1] == 2 and "model" in label  # the tiny UNet's sample_size x the 2x VAE
 
 
@@ -232,7 +233,7 @@ def test_demo_output_has_a_legend_and_records_the_noise(tmp_path, capsys):
 
 
 def test_noise_warning_names_the_spread_and_when_a_speedup_means_nothing():
-    from ppdiffusers_tome.cli import noise_warning
+    from ppdiffusers_tome.bench.demo import noise_warning
 
     rows = [{"method": "vanilla", "ratio": 0.0, "runs_seconds": [2.0, 8.0, 2.2]},  # the reported 4x spread
             {"method": "tome", "ratio": 0.5, "runs_seconds": [3.0, 3.3, 3.1]}]
