@@ -1,13 +1,18 @@
-"""Presets (ppdiffusers_tome/presets.py): default resolutions and the attention-memory check that stops a run
-which cannot fit before anything is built."""
+"""Presets (ppdiffusers_tome/presets.py): default resolutions, the attention-memory check that stops a run which
+cannot fit before anything is built, and the one assembly path of the embedded models (the tiny test models are
+presets too; ppdiffusers_tome.testing only re-exports them)."""
 
+import ast
 import json
+import os
 
+import numpy as np
 import paddle
 import pytest
 from ppdiffusers import UNet2DConditionModel
 from ppdiffusers.models.attention_processor import Attention
 
+from ppdiffusers_tome import presets, testing
 from ppdiffusers_tome.presets import (
     available_memory_bytes,
     available_presets,
@@ -17,7 +22,13 @@ from ppdiffusers_tome.presets import (
     folder_layout,
     load_preset,
     preset_layout,
+    preset_pipeline,
     preset_summary,
+    tiny_controlnet_pipeline,
+    tiny_sd_pipeline,
+    tiny_sdxl_unet,
+    tiny_unet,
+    tiny_vae,
 )
 
 GIB = 1024**3
@@ -114,3 +125,59 @@ def test_folder_layout_reads_the_saved_configs(tmp_path):
     (tmp_path / "vae" / "config.json").write_text(json.dumps(config["vae"]), encoding="utf-8")
     assert folder_layout(str(tmp_path)) == preset_layout("tiny")
     assert folder_layout(str(tmp_path / "missing")) is None
+
+
+# one home for the embedded models (issue #12) ---------------------------------------------------------------------
+def weights(pipe):
+    """``{component.parameter: array}`` of every model in ``pipe`` (MultiControlNet nets included)."""
+    return {f"{name}.{key}": value.numpy() for name, component in pipe.components.items()
+            if isinstance(component, paddle.nn.Layer) for key, value in component.state_dict().items()}
+
+
+def assert_same_weights(ours, theirs):
+    assert ours.keys() == theirs.keys() and ours
+    for key in ours:
+        np.testing.assert_array_equal(ours[key], theirs[key], err_msg=key)
+
+
+@pytest.mark.parametrize("build,preset", [("tiny_sd_pipeline", "tiny"), ("tiny_controlnet_pipeline", "tiny-controlnet"),
+                                          ("tiny_sdxl_pipeline", "tiny-sdxl")])
+@pytest.mark.parametrize("seed", [0, 3])
+def test_tiny_pipelines_are_their_presets(build, preset, seed):
+    ours, theirs = getattr(presets, build)(seed=seed), preset_pipeline(preset, seed=seed)
+    assert type(ours) is type(theirs) and type(ours.scheduler) is type(theirs.scheduler)
+    assert ours.tokenizer.model_max_length == theirs.tokenizer.model_max_length == 77
+    assert_same_weights(weights(ours), weights(theirs))
+
+
+def test_tiny_models_are_the_preset_models():
+    tiny, sdxl = preset_pipeline("tiny", seed=5), preset_pipeline("tiny-sdxl", seed=5)
+    for model, part in ((tiny_unet(5), tiny.unet), (tiny_vae(6), tiny.vae), (tiny_sdxl_unet(5), sdxl.unet)):
+        assert_same_weights({k: v.numpy() for k, v in model.state_dict().items()},
+                            {k: v.numpy() for k, v in part.state_dict().items()})
+
+
+def test_tiny_pipeline_variants_and_errors():
+    inpaint = tiny_sd_pipeline("inpaint")
+    assert type(inpaint).__name__ == "StableDiffusionInpaintPipeline" and inpaint.unet.config.in_channels == 9
+    img2img = tiny_sd_pipeline("img2img", scheduler="EulerDiscreteScheduler")
+    assert type(img2img).__name__ == "StableDiffusionImg2ImgPipeline"
+    assert type(img2img.scheduler).__name__ == "EulerDiscreteScheduler"
+    assert type(tiny_controlnet_pipeline(2).controlnet).__name__ == "MultiControlNetModel"
+    with pytest.raises(ValueError, match="kind must be one of"):
+        tiny_sd_pipeline("video")
+
+
+def test_testing_only_re_exports_presets():
+    assert testing.__all__ and all(getattr(testing, name) is getattr(presets, name) for name in testing.__all__)
+    folder = os.path.dirname(presets.__file__)
+    with open(os.path.join(folder, "testing.py"), encoding="utf-8") as f:
+        body = [node for node in ast.parse(f.read()).body if not isinstance(node, ast.Expr)]  # minus the docstring
+    assert all(isinstance(node, (ast.ImportFrom, ast.Assign)) for node in body)  # imports and __all__, no code
+    assert all(node.module == "presets" and node.level == 1 for node in body if isinstance(node, ast.ImportFrom))
+    with open(os.path.join(folder, "presets.py"), encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    # no import back (the old cycle), and no Paddle at top level: --help reads the presets without it
+    assert not [node for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module == "testing"]
+    top = {alias.name.split(".")[0] for node in tree.body if isinstance(node, ast.Import) for alias in node.names}
+    assert not top & {"paddle", "ppdiffusers"}
