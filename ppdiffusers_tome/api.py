@@ -191,23 +191,20 @@ def apply_tome(
         0.5
         >>> pipe = ppdiffusers_tome.remove_tome(pipe)
     """
-    config = ToMeConfig(
-        ratio=ratio,
-        max_downsample=max_downsample,
-        sx=sx,
-        sy=sy,
-        use_rand=use_rand,
-        merge_attn=merge_attn,
-        merge_crossattn=merge_crossattn,
-        merge_mlp=merge_mlp,
-        seed=seed,
-        method=method,
-        downsample_factor=downsample_factor,
-        downsample_mode=downsample_mode,
-        recompute_every=recompute_every,
-    )
+    settings = {name: value for name, value in locals().items() if name != "obj"}  # the parameters, nothing else yet
+    config = ToMeConfig(**settings)  # (the explicit signature above is what help() and IDEs show)
     targets = _targets(obj, for_apply=True)
-    train_timesteps = _train_timesteps(obj)
+    _install_everywhere(targets, config, _train_timesteps(obj))
+    for name, model in targets:
+        if remove_builtin_tome(model):
+            logger.debug("removed ppdiffusers' built-in ToMe patch from %s", name)
+    return obj
+
+
+def _install_everywhere(targets: List[Tuple[str, paddle.nn.Layer]], config: ToMeConfig, train_timesteps: int) -> None:
+    """Patch every target, or none: a failure half-way puts back what this package had applied before. (ppdiffusers'
+    built-in port stays until every target is patched: our hooks do not depend on the block classes, so a failure
+    leaves the built-in patch untouched.)"""
     previous = [get_patch(model) for _, model in targets]
     for patch in previous:  # refuse before anything changes if another thread is inside a forward
         if patch is not None:
@@ -215,8 +212,6 @@ def apply_tome(
     previous = [(p.config, p.train_timesteps) if p is not None else None for p in previous]
     installed: List[ModelPatch] = []
     try:
-        # ppdiffusers' built-in port (class swap, hook, _tome_info) stays until every target is patched: our hooks
-        # do not depend on the block classes, and a failure half-way then leaves the built-in patch untouched
         for name, model in targets:
             installed.append(ModelPatch.install(model, config, train_timesteps))  # replaces this package's patch
             logger.debug("ToMe applied to %s (%d blocks): %s", name, len(installed[-1].blocks), config)
@@ -227,10 +222,6 @@ def apply_tome(
             if before is not None and get_patch(model) is None:
                 ModelPatch.install(model, *before)
         raise
-    for name, model in targets:
-        if remove_builtin_tome(model):
-            logger.debug("removed ppdiffusers' built-in ToMe patch from %s", name)
-    return obj
 
 
 def _train_timesteps(obj: Any) -> int:
