@@ -13,9 +13,9 @@ import time
 
 import numpy as np
 import paddle
-from PIL import Image, ImageDraw
 
 import ppdiffusers_tome
+from ppdiffusers_tome.figure import side_by_side
 from ppdiffusers_tome.measure import psnr
 from ppdiffusers_tome.presets import load_local_pipeline, preset_pipeline
 
@@ -29,17 +29,6 @@ CONFIGS = {
     "tome 0.5, plans reused for 5 steps": ("tome_0.5_recompute_every_5", dict(ratio=0.5, recompute_every=5)),
     "tome 0.7 -> 0.3": ("tome_0.7_to_0.3", dict(ratio=(0.7, 0.3))),
 }
-
-
-def side_by_side(images, labels):
-    """The images in one row, each with its label above it."""
-    width, height = images[0].size
-    canvas = Image.new("RGB", (width * len(images), height + 14), "white")
-    draw = ImageDraw.Draw(canvas)
-    for i, (image, label) in enumerate(zip(images, labels)):
-        canvas.paste(image.convert("RGB"), (i * width, 14))
-        draw.text((i * width + 2, 1), label, fill="black")
-    return canvas
 
 
 def main(argv=None):

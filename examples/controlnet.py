@@ -14,6 +14,7 @@ import paddle
 from PIL import Image
 
 import ppdiffusers_tome
+from ppdiffusers_tome.figure import side_by_side
 from ppdiffusers_tome.presets import load_local_pipeline, preset_pipeline
 
 logger = logging.getLogger("controlnet")
@@ -28,19 +29,6 @@ def edge_map(size):
         top = size // 2 - (size // 4 - abs(i - size // 2))
         canvas[max(top, 0), i] = 255
     return Image.fromarray(np.stack([canvas] * 3, axis=-1))
-
-
-def side_by_side(images, labels):
-    """The images in one row, each with its label above it."""
-    from PIL import ImageDraw
-
-    width, height = images[0].size
-    canvas = Image.new("RGB", (width * len(images), height + 14), "white")
-    draw = ImageDraw.Draw(canvas)
-    for i, (image, label) in enumerate(zip(images, labels)):
-        canvas.paste(image.convert("RGB"), (i * width, 14))
-        draw.text((i * width + 2, 1), label, fill="black")
-    return canvas
 
 
 def main(argv=None):

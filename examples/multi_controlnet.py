@@ -13,6 +13,7 @@ import paddle
 from PIL import Image
 
 import ppdiffusers_tome
+from ppdiffusers_tome.figure import side_by_side
 from ppdiffusers_tome.patch import get_patch
 from ppdiffusers_tome.testing import tiny_controlnet_pipeline
 
@@ -26,19 +27,6 @@ def conditions(size):
     square = np.zeros((size, size, 3), dtype="uint8")
     square[size // 4 : 3 * size // 4, size // 4 : 3 * size // 4] = 255
     return [Image.fromarray(stripes), Image.fromarray(square)]
-
-
-def side_by_side(images, labels):
-    """The images in one row, each with its label above it."""
-    from PIL import ImageDraw
-
-    width, height = images[0].size
-    canvas = Image.new("RGB", (width * len(images), height + 14), "white")
-    draw = ImageDraw.Draw(canvas)
-    for i, (image, label) in enumerate(zip(images, labels)):
-        canvas.paste(image.convert("RGB"), (i * width, 14))
-        draw.text((i * width + 2, 1), label, fill="black")
-    return canvas
 
 
 def main(argv=None):

@@ -10,25 +10,12 @@ import logging
 import os
 
 import paddle
-from PIL import Image
 
 import ppdiffusers_tome
+from ppdiffusers_tome.figure import side_by_side
 from ppdiffusers_tome.presets import load_local_pipeline, preset_pipeline
 
 logger = logging.getLogger("sdxl")
-
-
-def side_by_side(images, labels):
-    """The images in one row, each with its label above it."""
-    from PIL import ImageDraw
-
-    width, height = images[0].size
-    canvas = Image.new("RGB", (width * len(images), height + 14), "white")
-    draw = ImageDraw.Draw(canvas)
-    for i, (image, label) in enumerate(zip(images, labels)):
-        canvas.paste(image.convert("RGB"), (i * width, 14))
-        draw.text((i * width + 2, 1), label, fill="black")
-    return canvas
 
 
 def main(argv=None):

@@ -8,7 +8,7 @@ the attention layer effectively sees.
 from __future__ import annotations
 
 import colorsys
-from typing import Tuple
+from typing import Sequence, Tuple
 
 import numpy as np
 import paddle
@@ -16,7 +16,7 @@ from PIL import Image, ImageDraw
 
 from .merge import bipartite_soft_matching_random2d
 
-__all__ = ["scene_tokens", "draw_plan_figure"]
+__all__ = ["scene_tokens", "draw_plan_figure", "side_by_side"]
 
 
 def scene_tokens(grid: int) -> np.ndarray:
@@ -79,3 +79,19 @@ def draw_plan_figure(ratio: float = 0.5, grid: int = 24, cell: int = 14, seed: i
                 draw.rectangle([x0, y0, x0 + cell - 1, y0 + cell - 1], outline="black", width=2)
     info = {"tokens": grid * grid, "dst": len(dst), "merged": plan.r, "grid": grid, "ratio": ratio}
     return canvas, info
+
+
+def side_by_side(images: Sequence[Image.Image], labels: Sequence[str]) -> Image.Image:
+    """The images in one row (each as large as the first), each with its label above it.
+
+    >>> from PIL import Image
+    >>> side_by_side([Image.new("RGB", (8, 8)), Image.new("RGB", (8, 8))], ["vanilla", "ToMe"]).size
+    (16, 22)
+    """
+    width, height = images[0].size
+    canvas = Image.new("RGB", (width * len(images), height + 14), "white")
+    draw = ImageDraw.Draw(canvas)
+    for i, (image, label) in enumerate(zip(images, labels)):
+        canvas.paste(image.convert("RGB"), (i * width, 14))
+        draw.text((i * width + 2, 1), label, fill="black")
+    return canvas
