@@ -56,11 +56,24 @@ def remove_builtin_tome(model: paddle.nn.Layer) -> bool:
             info.get("hooks", []).clear()
             del layer.__dict__["_tome_info"]
             found = True
-        parent = type(layer).__dict__.get("_parent")
-        if type(layer).__name__.startswith("ToMe") and isinstance(parent, type):
-            layer.__class__ = parent
+        if _is_builtin_block(layer):
+            layer.__class__ = type(layer).__dict__["_parent"]
             found = True
     return found
+
+
+def _is_builtin_block(layer: paddle.nn.Layer) -> bool:
+    """Whether ppdiffusers' built-in ToMe swapped ``layer``'s class for its own (which keeps the original class as
+    ``_parent``)."""
+    return type(layer).__name__.startswith("ToMe") and isinstance(type(layer).__dict__.get("_parent"), type)
+
+
+def _refuse_if_busy(targets: List[Tuple[str, paddle.nn.Layer]]) -> None:
+    """Raise before anything changes if another thread is inside a forward of one of ``targets``."""
+    for _, model in targets:
+        patch = get_patch(model)
+        if patch is not None:
+            patch.check_idle()
 
 
 def _bad_input(obj: Any) -> ValueError:
@@ -205,10 +218,8 @@ def _install_everywhere(targets: List[Tuple[str, paddle.nn.Layer]], config: ToMe
     """Patch every target, or none: a failure half-way puts back what this package had applied before. (ppdiffusers'
     built-in port stays until every target is patched: our hooks do not depend on the block classes, so a failure
     leaves the built-in patch untouched.)"""
+    _refuse_if_busy(targets)
     previous = [get_patch(model) for _, model in targets]
-    for patch in previous:  # refuse before anything changes if another thread is inside a forward
-        if patch is not None:
-            patch.check_idle()
     previous = [(p.config, p.train_timesteps) if p is not None else None for p in previous]
     installed: List[ModelPatch] = []
     try:
@@ -253,10 +264,7 @@ def remove_tome(obj: Any) -> Any:
         True
     """
     targets = _targets(obj, for_apply=False)
-    for _, model in targets:  # refuse before anything changes if another thread is inside a forward
-        patch = get_patch(model)
-        if patch is not None:
-            patch.check_idle()
+    _refuse_if_busy(targets)
     for _, model in targets:
         _unpatch(model)
     return obj
@@ -322,11 +330,7 @@ def tome_config(obj: Any) -> Optional[ToMeConfig]:
 
 def _builtin_patch(model: paddle.nn.Layer) -> Tuple[int, Optional[Dict[str, Any]]]:
     """Blocks of ``model`` that ppdiffusers' built-in ToMe has swapped to its own class, and that port's settings."""
-    blocks = [
-        layer
-        for _, layer in model.named_sublayers(include_self=True)
-        if type(layer).__name__.startswith("ToMe") and isinstance(type(layer).__dict__.get("_parent"), type)
-    ]
+    blocks = [layer for _, layer in model.named_sublayers(include_self=True) if _is_builtin_block(layer)]
     if not blocks:
         return 0, None
     info = model.__dict__.get("_tome_info") or blocks[0].__dict__.get("_tome_info")

@@ -75,11 +75,14 @@ class ModelPatch:
         >>> patch.remove()
     """
 
-    def __init__(self, model: paddle.nn.Layer, config: ToMeConfig, train_timesteps: int = 1000):
+    def __init__(self, model: paddle.nn.Layer, config: ToMeConfig, train_timesteps: int = 1000,
+                 num_blocks: Optional[int] = None):
         self.model = model
         self.config = config
         self.train_timesteps = int(train_timesteps)
-        self.state = ToMeState(config, train_timesteps, num_blocks=len(find_blocks(model)))
+        if num_blocks is None:
+            num_blocks = len(find_blocks(model))
+        self.state = ToMeState(config, train_timesteps, num_blocks=num_blocks)
         self.blocks: List[BlockHooks] = []
         self._hooks: List[HookRecord] = []
         self.auto_level = config.max_downsample == "auto"
@@ -99,7 +102,7 @@ class ModelPatch:
         previous = get_patch(model)
         if previous is not None:  # never leave a patch's hooks behind unreachable
             previous.remove()
-        patch = cls(model, config, train_timesteps)
+        patch = cls(model, config, train_timesteps, num_blocks=len(blocks))
         try:
             patch._register(blocks)
         except BaseException:
