@@ -1,8 +1,9 @@
 """Micro-benchmark of the merge core: plan + merge + unmerge, ours against ppdiffusers' built-in port.
 
-Both run in the same process, interleaved, on the same inputs ([2, 4096, 320] and [2, 1024, 640] by default,
-r = N/2, random partition). Prints a table and writes JSON. Not a test: timings on shared machines are noisy, so
-read the ratios, not the seconds.
+Both run in the same process on the same inputs ([2, 4096, 320] and [2, 1024, 640] by default, r = N/2, random
+partition), one run each in turn with the order rotating every round, so that drift of a shared machine hits all
+contenders alike. Prints a table (medians, and the median and range of the per-round ratio of neighbouring runs) and
+writes JSON. Not a test: timings on shared machines are noisy, so read the ratios, not the seconds.
 
     bash run.sh python benchmarks/merge_core.py --threads 1 --output outputs/merge_core.json
 
@@ -51,25 +52,36 @@ def baseline_port(revision):
     return module.bipartite_soft_matching_random2d
 
 
-def time_parts(fn_plan, x, repeats):
-    """Median seconds of plan, merge and unmerge over ``repeats`` runs (after one warm-up run)."""
-    parts = {"plan": [], "merge": [], "unmerge": []}
-    for i in range(repeats + 1):
-        t0 = time.perf_counter()
-        merge, unmerge = fn_plan(x)
-        t1 = time.perf_counter()
-        y = merge(x)
-        t2 = time.perf_counter()
-        z = unmerge(y)
-        t3 = time.perf_counter()
-        assert z.shape == x.shape
-        if i:  # the first run warms up kernels and caches
-            parts["plan"].append(t1 - t0)
-            parts["merge"].append(t2 - t1)
-            parts["unmerge"].append(t3 - t2)
-    out = {k: median(v) for k, v in parts.items()}
-    out["total"] = median([a + b + c for a, b, c in zip(parts["plan"], parts["merge"], parts["unmerge"])])
-    return out
+def time_once(fn_plan, x):
+    """Seconds of one plan, merge and unmerge."""
+    t0 = time.perf_counter()
+    merge, unmerge = fn_plan(x)
+    t1 = time.perf_counter()
+    y = merge(x)
+    t2 = time.perf_counter()
+    z = unmerge(y)
+    t3 = time.perf_counter()
+    assert z.shape == x.shape
+    return {"plan": t1 - t0, "merge": t2 - t1, "unmerge": t3 - t2, "total": t3 - t0}
+
+
+def interleaved(contenders, x, repeats):
+    """Time every contender ``repeats`` times, one run each in turn (the order rotating every round, after one
+    warm-up run each), so that drift of a shared machine hits all of them alike. Returns the runs per contender."""
+    names = list(contenders)
+    for name in names:
+        time_once(contenders[name], x)
+    runs = {name: [] for name in names}
+    for i in range(repeats):
+        for name in names[i % len(names):] + names[: i % len(names)]:
+            runs[name].append(time_once(contenders[name], x))
+    return runs
+
+
+def paired_ratio(runs, slower, faster):
+    """Median and range of ``slower/faster`` total time over rounds (each round's runs are neighbours in time)."""
+    ratios = [a["total"] / b["total"] for a, b in zip(runs[slower], runs[faster])]
+    return {"median": median(ratios), "min": min(ratios), "max": max(ratios)}
 
 
 def main(argv=None):
@@ -96,13 +108,8 @@ def main(argv=None):
         contenders = {"ours": ours, "builtin": theirs}
         if baseline is not None:
             contenders["baseline"] = lambda t: baseline(t, side, side, 2, 2, r, generator=rng)  # noqa: E731
-        results = {name: [] for name in contenders}
-        for _ in range(3):  # interleave blocks of runs so machine drift hits all
-            for name, fn in contenders.items():
-                results[name].append(time_parts(fn, x, max(args.repeats // 3, 1)))
-        merged = {
-            name: {part: median([run[part] for run in runs]) for part in runs[0]} for name, runs in results.items()
-        }
+        runs = interleaved(contenders, x, args.repeats)
+        merged = {name: {part: median([run[part] for run in r]) for part in r[0]} for name, r in runs.items()}
         rows.append(
             {
                 "shape": [b, n, c],
@@ -110,11 +117,13 @@ def main(argv=None):
                 "ours_ms": {k: v * 1e3 for k, v in merged["ours"].items()},
                 "builtin_ms": {k: v * 1e3 for k, v in merged["builtin"].items()},
                 "speedup": merged["builtin"]["total"] / merged["ours"]["total"],
+                "speedup_paired": paired_ratio(runs, "builtin", "ours"),
             }
         )
         if baseline is not None:
             rows[-1]["baseline"] = args.baseline
             rows[-1]["baseline_ms"] = {k: v * 1e3 for k, v in merged["baseline"].items()}
+            rows[-1]["vs_baseline_paired"] = paired_ratio(runs, "baseline", "ours")
     extra = f" | {'baseline ms':>11} | {'vs baseline':>11}" if baseline is not None else ""
     header = f"{'shape':>14} | {'part':>7} | {'builtin ms':>10} | {'ours ms':>8} | {'ratio':>6}{extra}"
     lines = [f"merge core micro-benchmark, {threads} thread(s), median of {args.repeats} runs", header, "-" * len(header)]
@@ -127,6 +136,9 @@ def main(argv=None):
                 before = row["baseline_ms"][part]
                 line += f" | {before:11.2f} | {before / mine:10.2f}x"
             lines.append(line)
+        paired = [("builtin", row["speedup_paired"])] + ([("baseline", row["vs_baseline_paired"])] if baseline else [])
+        lines.append(f"{shape:>14} | paired per-round total ratio (median, range): " + "; ".join(
+            f"{name}/ours {p['median']:.2f}x [{p['min']:.2f}, {p['max']:.2f}]" for name, p in paired))
     print("\n".join(lines))
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     with open(args.output, "w", encoding="utf-8") as f:

@@ -382,16 +382,96 @@ def _build_batch_tables(count: Any, num_tokens: int, merged_tokens: int, kept: i
     }
 
 
+def _score_offsets(batch: int, num_src: int, num_dst: int, like: paddle.Tensor) -> paddle.Tensor:
+    """``[B, Ns]`` offset of each score row in the flattened ``[B, Ns, Nd]`` similarity (for reading each row's best
+    score with one gather instead of a second pass over the matrix)."""
+    if batch < 0:
+        return _build_score_offsets(paddle.shape(like)[0], num_src, num_dst)
+    return _CACHE.get(("score_rows", batch, num_src, num_dst), _build_score_offsets, batch, num_src, num_dst)
+
+
+def _build_score_offsets(count: Any, num_src: int, num_dst: int) -> paddle.Tensor:
+    return (paddle.arange(count * num_src, dtype="int64") * num_dst).reshape([-1, num_src])
+
+
+def similarity_dtype(dtype: Any, kind: str) -> str:
+    """The dtype in which tokens are normalised and compared (the ``[B, Ns, Nd]`` similarity) for tokens of
+    ``dtype`` on ``kind`` kernels: a GPU keeps float16/bfloat16 (tensor cores, half the bytes of the largest
+    temporary, as tomesd does); a CPU has no half-precision matmul and uses float32. float32 and float64 stay.
+
+    >>> import paddle
+    >>> similarity_dtype(paddle.float16, "gpu"), similarity_dtype(paddle.float16, "cpu")
+    ('float16', 'float32')
+    """
+    name = _dtype_name(dtype)
+    if name in _LOW_PRECISION:
+        return name if kind == "gpu" else "float32"
+    return name if name in ("float32", "float64") else "float32"
+
+
+def _constant(value: float, dtype: str, shape: Sequence[int] = ()) -> paddle.Tensor:
+    """A cached constant tensor on the current device (scalar operands would be uploaded at every call)."""
+    return _CACHE.get(("constant", float(value), dtype, tuple(shape)), paddle.full, list(shape), value, dtype)
+
+
 def _unit_rows(metric: paddle.Tensor) -> paddle.Tensor:
-    """``metric`` as float32 unit vectors along the last axis, computed scale-free: each token is first divided by
-    its largest absolute value, so neither the square of 1e30 nor that of 1e-30 leaves float32. Tokens that are
-    all zero or hold NaN or inf come out as zero vectors (similarity 0 to every token), never NaN."""
-    m = metric.detach()
-    if _dtype_name(m.dtype) != "float32":
-        m = m.astype("float32")
-    m = m / paddle.linalg.norm(m, p=float("inf"), axis=-1, keepdim=True)  # 0/0 and x/inf give NaN: cleared below
-    m = m / paddle.sqrt(paddle.sum(paddle.square(m), axis=-1, keepdim=True))  # (5x faster than p_norm on CPU)
-    return paddle.where(paddle.isfinite(m), m, _hash_constants()["zero"])
+    """``metric`` as unit vectors along the last axis, in its own dtype, computed scale-free: each token is first
+    divided by its largest absolute value, so neither the square of 1e30 (nor, in float16, of 300) nor that of 1e-30
+    leaves the dtype. Tokens that are all zero or hold NaN or inf come out as zero vectors (similarity 0 to every
+    token), never NaN."""
+    m = metric / paddle.linalg.norm(metric, p=float("inf"), axis=-1, keepdim=True)  # 0/0 and x/inf give NaN
+    m = m.multiply_(paddle.rsqrt(paddle.sum(paddle.square(m), axis=-1, keepdim=True)))  # (m is this function's own)
+    return paddle.where_(paddle.isfinite(m), m, _constant(0.0, _dtype_name(m.dtype)))
+
+
+def _match_gpu(metric: paddle.Tensor, partition: paddle.Tensor, num_src: int) -> Tuple[paddle.Tensor, paddle.Tensor]:
+    """Best dst and its cosine similarity for every src, the GPU way: few kernels (each one a launch), the unit rows
+    and the similarity in the tokens' own dtype (see :func:`similarity_dtype`). Next to the similarity only one
+    ``[B, N, C]`` temporary is alive."""
+    work = similarity_dtype(metric.dtype, "gpu")
+    unit = _unit_rows(metric if _dtype_name(metric.dtype) == work else metric.astype(work))
+    src, dst = paddle.split(paddle.gather(unit, partition, axis=1), [num_src, metric.shape[1] - num_src], axis=1)
+    del unit
+    scores = paddle.matmul(src, dst, transpose_y=True)  # [B, Ns, Nd]
+    del src, dst
+    return scores.max(axis=-1), scores.argmax(axis=-1)
+
+
+def _match_cpu(metric: paddle.Tensor, partition: paddle.Tensor, num_src: int) -> Tuple[paddle.Tensor, paddle.Tensor]:
+    """Best dst and its cosine similarity for every src, the CPU way: fewer passes over the tokens, more (cheap)
+    operators, since on a CPU a pass costs milliseconds and an operator microseconds.
+
+    * One scale for all tokens, the reciprocal of the largest finite dst magnitude, keeps every square inside
+      float32, so scaling all tokens by the same factor changes no decision (a token ~1e18 times smaller or larger
+      than the dst counts as similarity 0, as do tokens holding NaN or inf).
+    * Only the dst become unit rows; the src enter the similarity as they are (a positive factor per row does not
+      move a row's argmax) and each src's best score is divided by its norm afterwards.
+    * Row sums run as a matmul with a ones column (several times faster than a reduction on Paddle's CPU build),
+      and each row's best score is read with one gather instead of a second pass over the similarity.
+    """
+    work = similarity_dtype(metric.dtype, "cpu")
+    if _dtype_name(metric.dtype) != work:
+        metric = metric.astype(work)
+    batch, num_dst, channels = int(metric.shape[0]), metric.shape[1] - num_src, metric.shape[2]
+    ones, zero = _constant(1.0, work, (channels, 1)), _constant(0.0, work)
+    src = paddle.gather(metric, partition[:num_src], axis=1)
+    dst = paddle.gather(metric, partition[num_src:], axis=1)
+    dst_max = paddle.linalg.norm(dst, p=float("inf"), axis=-1, keepdim=True)  # [B, Nd, 1]
+    scale = paddle.reciprocal(paddle.scale(paddle.max(paddle.where(paddle.isfinite(dst_max), dst_max, zero)), 1.0, _TINY))
+    # in place wherever the tensor is this function's own: a fresh buffer costs about as much as the pass itself
+    # (always rebinding the result: a static program's in-place op only takes effect through its output)
+    dst = dst.scale_(scale)
+    dst = dst.multiply_(paddle.rsqrt(paddle.matmul(paddle.square(dst), ones)))  # 0/0, inf/inf give NaN: cleared next
+    dst = paddle.where_(paddle.isfinite(dst), dst, zero)
+    scaled = paddle.scale(src, scale)
+    src_norm2 = paddle.matmul(paddle.square_(scaled), ones)  # [B, Ns, 1]
+    del scaled
+    scores = paddle.matmul(src, dst, transpose_y=True)  # [B, Ns, Nd]: cosine similarity times |src|
+    best_dst = scores.argmax(axis=-1)
+    rows = (best_dst + _score_offsets(-1 if tracing() else batch, num_src, num_dst, metric)).reshape([-1])
+    best = paddle.gather(scores.reshape([-1]), rows).reshape([-1, num_src])
+    cosine = best * scale * paddle.rsqrt(src_norm2.reshape([-1, num_src]))
+    return paddle.where(paddle.isfinite(cosine), cosine, zero), best_dst
 
 
 class MergePlan:
@@ -430,9 +510,8 @@ class MergePlan:
         plan.partition, plan.num_src = partition, int(num_src)
         num_dst = num_tokens - num_src
         with paddle.no_grad():
-            src, dst = paddle.split(paddle.gather(_unit_rows(metric), partition, axis=1), [num_src, num_dst], axis=1)
-            scores = paddle.matmul(src, dst, transpose_y=True)  # [B, Ns, Nd] cosine similarities
-            best, best_dst = scores.max(axis=-1), scores.argmax(axis=-1)
+            match = _match_gpu if kind == "gpu" else _match_cpu
+            best, best_dst = match(metric.detach(), partition, plan.num_src)
             # dst rank last (-inf), so one stable sort yields [merged src | kept src | dst]; on a GPU a spare row
             # keeps Paddle's argsort off its synchronising single-row path
             pad = [0, 1 if kind == "gpu" else 0, 0, num_dst]
@@ -444,7 +523,7 @@ class MergePlan:
 
     def _build(self, order: paddle.Tensor, best_dst: paddle.Tensor) -> None:
         """Turn the sorted src slots into two tables over the ``B*N`` input rows: ``unmerge_rows`` (the merged row
-        each input row ends in) and ``row_scale`` (``1/(1+k)`` for a row in a group of ``1+k``, 1 for kept src)."""
+        each input row ends in) and ``row_counts`` (``1+k`` for a row in a group of ``1+k``, 1 for kept src)."""
         n, r, kept = self.num_tokens, self.r, self.num_src - self.r
         m = n - r
         self.merged_idx = order[:, :r]
@@ -459,10 +538,8 @@ class MergePlan:
         unmerge_rows = paddle.scatter(b["zeros_n"], rows, ends)
         # group sizes 1 + k, counted with exact float adds of 1 (order-free, so deterministic on any device)
         counts = paddle.index_add(b["zeros_m"], unmerge_rows, 0, b["ones_n"])
-        self.tables = {"unmerge_rows": unmerge_rows, "row_scale": paddle.gather(paddle.reciprocal(counts), unmerge_rows)}
-        if self.kind == "gpu":  # merge by matmul: the rows in sorted order, and a one-hot of the merged src's dst
-            self.tables["sorted_rows"] = rows
-            self.tables["onehot"] = F.one_hot(self.merged_dst, n - self.num_src)
+        row_scale = paddle.gather(paddle.reciprocal(counts), unmerge_rows)  # float32: exact for counts < 2**24
+        self.tables = {"unmerge_rows": unmerge_rows, "counts": counts, "row_scale": row_scale}
 
     # description ------------------------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Callable]:
@@ -533,29 +610,22 @@ class MergePlan:
         if _dtype_name(x.dtype) != work:
             flat = flat.astype(work)
         if mode == "mean":
-            flat = flat * (t["row_scale"] if work == "float32" else t["row_scale"].astype(work))
-        if self.kind == "gpu":
-            out = self._sum_by_matmul(flat, channels)
-        else:  # every input row added onto the merged row it ends in, in row order (CPU index_add is sequential)
-            if self.batch_size < 0:  # a dynamic batch while tracing
-                zeros = paddle.zeros([paddle.shape(x)[0] * self.merged_tokens, channels], dtype=work)
-            else:
-                shape = [self.batch_size * self.merged_tokens, channels]
-                zeros = _CACHE.get(("zeros", shape[0], channels, work), paddle.zeros, shape, work)
-            out = paddle.index_add(zeros, t["unmerge_rows"], 0, flat)
+            flat = flat * self._row_scale(work)
+        # every input row added onto the merged row it ends in
+        if self.batch_size < 0:  # a dynamic batch while tracing
+            zeros = paddle.zeros([paddle.shape(x)[0] * self.merged_tokens, channels], dtype=work)
+        else:
+            shape = [self.batch_size * self.merged_tokens, channels]
+            zeros = _CACHE.get(("zeros", shape[0], channels, work), paddle.zeros, shape, work)
+        out = paddle.index_add(zeros, t["unmerge_rows"], 0, flat)
         return out.astype(x.dtype).reshape([-1, self.merged_tokens, channels])
 
-    def _sum_by_matmul(self, flat: paddle.Tensor, channels: int) -> paddle.Tensor:
-        """The GPU kernel: gather the rows in sorted order, add every merged src onto its dst with a one-hot
-        ``[B, r, Nd]`` matmul. A fixed summation order: no float atomics, bit-identical results run to run."""
-        num_dst, m, r = self.num_tokens - self.num_src, self.merged_tokens, self.r
-        rows = paddle.gather(flat, self.tables["sorted_rows"]).reshape([-1, self.num_tokens, channels])
-        src, kept = paddle.split(rows, [r, m], axis=1)
-        onehot = self.tables["onehot"]
-        if onehot.dtype != src.dtype:
-            onehot = onehot.astype(src.dtype)
-        sums = paddle.matmul(onehot, src, transpose_x=True)  # [B, Nd, C]
-        return (kept + F.pad(sums, [0, 0, m - num_dst, 0, 0, 0])).reshape([-1, channels])
+    def _row_scale(self, work: str) -> paddle.Tensor:
+        """``1/(1+k)`` for every input row, in ``work`` (float64 tokens get float64 weights, not float32 ones)."""
+        if work == "float32":
+            return self.tables["row_scale"]
+        counts = self.tables["counts"].astype(work)
+        return paddle.gather(paddle.reciprocal(counts), self.tables["unmerge_rows"])
 
     def unmerge(self, y: paddle.Tensor) -> paddle.Tensor:
         """Map ``y`` of shape ``[B, N - r, C]`` back to ``[B, N, C]``: every token gets the row it was merged into
