@@ -22,6 +22,7 @@ atomics and so is not bit-reproducible). :func:`device_kind` picks one from the 
 from __future__ import annotations
 
 import functools
+import math
 import random as _random
 from collections import OrderedDict
 from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple, Union
@@ -33,6 +34,7 @@ import paddle.nn.functional as F
 __all__ = [
     "DOWNSAMPLE_MODES",
     "DownsamplePlan",
+    "LocalMergePlan",
     "MergePlan",
     "bipartite_soft_matching_random2d",
     "compute_dtype",
@@ -44,6 +46,8 @@ __all__ = [
     "partition_table",
     "step_key",
     "tracing",
+    "window_partition_table",
+    "window_sides",
 ]
 
 _LOW_PRECISION = ("float16", "bfloat16")
@@ -304,12 +308,18 @@ def partition_table(h: int, w: int, sx: int, sy: int, step: paddle.Tensor, seed:
     rows = max(int(blocks), 2)
     if grid.num_dst == 0:
         return _CACHE.get(("top_left_rows", h, w, sx, sy, rows), _const, np.tile(grid.top_left, (rows, 1)))
-    c, t = _hash_constants(), grid.tensors()
-    salts = _CACHE.get(("salts", int(seed), rows), _const, _block_salts(int(seed), rows))
-    x = paddle.bitwise_and(step * c["step"] + salts + t["cell_key"], c["mask"])  # [rows, Nd]
-    slot = paddle.remainder(_mix31(x, c), t["slots"])  # the dst slot of every cell
-    is_dst = paddle.equal(paddle.gather(slot, t["cell_of"], axis=1), t["slot_of"]).astype("int32")  # [rows, N]
+    is_dst = _dst_flags(grid.tensors(), step, seed, rows)  # [rows, N]
     return paddle.argsort(is_dst, axis=1, stable=True)  # src (flag 0) first, then dst, each in position order
+
+
+def _dst_flags(tables: Dict[str, paddle.Tensor], step: paddle.Tensor, seed: int, rows: int) -> paddle.Tensor:
+    """``[rows, N]`` int32, 1 where a token is the dst of its cell: each cell's dst slot drawn from a hash of
+    ``(seed, row, cell key, step)``; ``tables`` give every cell's key and every token's cell and slot."""
+    c = _hash_constants()
+    salts = _CACHE.get(("salts", int(seed), rows), _const, _block_salts(int(seed), rows))
+    x = paddle.bitwise_and(step * c["step"] + salts + tables["cell_key"], c["mask"])  # [rows, cells]
+    slot = paddle.remainder(_mix31(x, c), tables["slots"])  # the dst slot of every cell
+    return paddle.equal(paddle.gather(slot, tables["cell_of"], axis=1), tables["slot_of"]).astype("int32")
 
 
 def _block_salts(seed: int, rows: int) -> np.ndarray:
@@ -414,14 +424,30 @@ def _constant(value: float, dtype: str, shape: Sequence[int] = ()) -> paddle.Ten
     return _CACHE.get(("constant", float(value), dtype, tuple(shape)), paddle.full, list(shape), value, dtype)
 
 
-def _unit_rows(metric: paddle.Tensor) -> paddle.Tensor:
-    """``metric`` as unit vectors along the last axis, in its own dtype, computed scale-free: each token is first
-    divided by its largest absolute value, so neither the square of 1e30 (nor, in float16, of 300) nor that of 1e-30
-    leaves the dtype. Tokens that are all zero or hold NaN or inf come out as zero vectors (similarity 0 to every
-    token), never NaN."""
-    m = metric / paddle.linalg.norm(metric, p=float("inf"), axis=-1, keepdim=True)  # 0/0 and x/inf give NaN
-    m = m.multiply_(paddle.rsqrt(paddle.sum(paddle.square(m), axis=-1, keepdim=True)))  # (m is this function's own)
-    return paddle.where_(paddle.isfinite(m), m, _constant(0.0, _dtype_name(m.dtype)))
+def _clear_non_finite(x: paddle.Tensor, value: float = 0.0) -> paddle.Tensor:
+    """``x`` (this code's own buffer) with NaN and inf replaced by ``value``, in place. (``where_`` rather than
+    ``masked_fill_``: Paddle 3.3's ``masked_fill_`` adds a cast of its bool mask, one more operator.)"""
+    return paddle.where_(paddle.isfinite(x), x, _constant(value, _dtype_name(x.dtype)))
+
+
+def _normalize_rows(x: paddle.Tensor, kind: str, in_place: bool = False) -> paddle.Tensor:
+    """The rows of ``x`` as unit vectors, computed scale-free: each row is first divided by its largest absolute
+    value, so neither the square of 1e30 (nor, in float16, of 300) nor that of 1e-30 leaves the dtype. Rows that
+    are all zero or hold NaN or inf become NaN (0/0, x/inf): callers clear them. One new buffer at most (none with
+    ``in_place``, for a tensor this code owns). A GPU takes the 2-norm in one kernel; Paddle's CPU build runs that
+    kernel slowly, so a CPU squares and sums with a matmul."""
+    largest = paddle.linalg.norm(x, p=float("inf"), axis=-1, keepdim=True)
+    x = x.divide_(largest) if in_place else x / largest
+    if kind == "gpu":
+        return x.divide_(paddle.linalg.norm(x, p=2, axis=-1, keepdim=True))
+    ones = _constant(1.0, _dtype_name(x.dtype), (x.shape[-1], 1))
+    return x.multiply_(paddle.rsqrt(paddle.matmul(paddle.square(x), ones)))
+
+
+def _unit_rows(metric: paddle.Tensor, kind: str = "gpu") -> paddle.Tensor:
+    """``metric`` as unit vectors along the last axis in a new tensor of its dtype (see :func:`_normalize_rows`);
+    tokens that are all zero or hold NaN or inf come out as zero vectors (similarity 0 to every token)."""
+    return _clear_non_finite(_normalize_rows(metric, kind))
 
 
 def _match_gpu(metric: paddle.Tensor, partition: paddle.Tensor, num_src: int) -> Tuple[paddle.Tensor, paddle.Tensor]:
@@ -453,16 +479,16 @@ def _match_cpu(metric: paddle.Tensor, partition: paddle.Tensor, num_src: int) ->
     if _dtype_name(metric.dtype) != work:
         metric = metric.astype(work)
     batch, num_dst, channels = int(metric.shape[0]), metric.shape[1] - num_src, metric.shape[2]
-    ones, zero = _constant(1.0, work, (channels, 1)), _constant(0.0, work)
+    ones = _constant(1.0, work, (channels, 1))
     src = paddle.gather(metric, partition[:num_src], axis=1)
     dst = paddle.gather(metric, partition[num_src:], axis=1)
     dst_max = paddle.linalg.norm(dst, p=float("inf"), axis=-1, keepdim=True)  # [B, Nd, 1]
-    scale = paddle.reciprocal(paddle.scale(paddle.max(paddle.where(paddle.isfinite(dst_max), dst_max, zero)), 1.0, _TINY))
+    scale = paddle.reciprocal(paddle.scale(paddle.max(_clear_non_finite(dst_max)), 1.0, _TINY))
     # in place wherever the tensor is this function's own: a fresh buffer costs about as much as the pass itself
     # (always rebinding the result: a static program's in-place op only takes effect through its output)
     dst = dst.scale_(scale)
     dst = dst.multiply_(paddle.rsqrt(paddle.matmul(paddle.square(dst), ones)))  # 0/0, inf/inf give NaN: cleared next
-    dst = paddle.where_(paddle.isfinite(dst), dst, zero)
+    dst = _clear_non_finite(dst)
     scaled = paddle.scale(src, scale)
     src_norm2 = paddle.matmul(paddle.square_(scaled), ones)  # [B, Ns, 1]
     del scaled
@@ -471,7 +497,7 @@ def _match_cpu(metric: paddle.Tensor, partition: paddle.Tensor, num_src: int) ->
     rows = (best_dst + _score_offsets(-1 if tracing() else batch, num_src, num_dst, metric)).reshape([-1])
     best = paddle.gather(scores.reshape([-1]), rows).reshape([-1, num_src])
     cosine = best * scale * paddle.rsqrt(src_norm2.reshape([-1, num_src]))
-    return paddle.where(paddle.isfinite(cosine), cosine, zero), best_dst
+    return _clear_non_finite(cosine), best_dst
 
 
 class MergePlan:
@@ -699,6 +725,236 @@ def bipartite_soft_matching_random2d(
             step = paddle.full([], 0, dtype="int64")
             partition = partition_table(h, w, sx, sy, step, _generator_seed(generator), 1)[0]
     return MergePlan.from_matching(metric, partition, num_tokens - num_dst, r, kind)
+
+
+# Local matching with a dense plan (issue #17; the recipe of ToMA, Lu et al. 2025) ---------------------------------------
+def window_sides(h: int, w: int, window: int, sx: int = 2, sy: int = 2) -> Tuple[int, int]:
+    """The window ``(wy, wx)`` used for local matching on an ``h x w`` grid when ``window`` tokens per side are
+    asked for: on each axis the divisor of the side closest to ``window`` (on a log scale, the larger one on a tie)
+    among those that hold at least one cell (``>= sy`` / ``>= sx``), so that equal windows tile the grid exactly and
+    every window has the same number of src and dst. A side with no such divisor but itself (a prime) is one window.
+
+    >>> window_sides(64, 64, 16), window_sides(96, 72, 16), window_sides(65, 67, 16)
+    ((16, 16), (16, 18), (13, 67))
+    """
+
+    def side(n: int, stride: int) -> int:
+        fits = [d for d in range(stride, n + 1) if n % d == 0] or [n]
+        return min(fits, key=lambda d: (abs(math.log(d / window)), -d))
+
+    return side(int(h), int(sy)), side(int(w), int(sx))
+
+
+class _Windows:
+    """Host-side description of an ``h x w`` grid cut into equal ``wy x wx`` windows, each with its own ``sy x sx``
+    cells (numpy, cached by :func:`_windows`). Token tables are in window-major order: window by window, row-major
+    inside a window."""
+
+    def __init__(self, h: int, w: int, wy: int, wx: int, sx: int, sy: int):
+        self.h, self.w, self.wy, self.wx, self.sx, self.sy = h, w, wy, wx, sx, sy
+        self.count, self.size, self.slots = (h // wy) * (w // wx), wy * wx, sx * sy
+        local = _grid(wy, wx, sx, sy)  # the cells of one window
+        self.num_dst, self.num_src = local.num_dst, local.num_src  # per window
+        win_y, win_x, ty, tx = np.meshgrid(np.arange(h // wy), np.arange(w // wx), np.arange(wy), np.arange(wx),
+                                           indexing="ij")
+        self.order = ((win_y * wy + ty) * w + (win_x * wx + tx)).reshape(self.count, self.size).astype(np.int64)
+        self.inverse = np.argsort(self.order.reshape(-1)).astype(np.int64)  # grid position -> window-major index
+        salt = _mix31_int(h * 0x10001 + w * 0x101 + sx * 0x11 + sy + wy * 0x3B9 + wx * 0x1F3 + 1)
+        cells = np.arange(self.count * self.num_dst, dtype=np.int64)
+        self.cell_key = (cells * _W_CELL + salt) & _MASK31
+        self.cell_of = (np.arange(self.count)[:, None] * self.num_dst + local.cell_of[None, :]).reshape(-1)
+        self.slot_of = np.tile(local.slot_of, self.count)
+        self.top_left = np.tile(local.top_left, (self.count, 1))  # the partition with every cell's top-left as dst
+
+    def tensors(self) -> Dict[str, paddle.Tensor]:
+        return _CACHE.get(("windows", self.h, self.w, self.wy, self.wx, self.sx, self.sy), _window_tensors, self)
+
+
+def _window_tensors(win: "_Windows") -> Dict[str, paddle.Tensor]:
+    return {
+        "order": _const(win.order), "flat_order": _const(win.order.reshape(-1)), "inverse": _const(win.inverse),
+        "cell_key": _const(win.cell_key[None, :]), "cell_of": _const(win.cell_of), "slot_of": _const(win.slot_of[None, :]),
+        "slots": _const(win.slots), "top_left": _const(win.top_left),
+    }
+
+
+@functools.lru_cache(maxsize=64)
+def _windows(h: int, w: int, wy: int, wx: int, sx: int, sy: int) -> _Windows:
+    return _Windows(h, w, wy, wx, sx, sy)
+
+
+def window_partition_table(
+    h: int, w: int, wy: int, wx: int, sx: int, sy: int, step: Optional[paddle.Tensor], seed: int, blocks: int
+) -> paddle.Tensor:
+    """Partitions for local matching, for ``blocks`` blocks at once: an int64 ``[max(blocks, 2), W, T]`` tensor
+    (``W`` windows of ``T = wy*wx`` tokens) whose ``[i, k]`` lists the tokens of window ``k`` (window-local,
+    row-major) in partition order: src first, then dst, each in position order. Each cell's dst is drawn as in
+    :func:`partition_table` (keyed by the window too); ``step=None`` takes every cell's top-left token instead.
+
+    >>> import paddle
+    >>> table = window_partition_table(8, 8, 4, 4, 2, 2, step_key(999), seed=0, blocks=1)
+    >>> list(table.shape), sorted(table[0, 1].numpy().tolist()) == list(range(16))
+    ([2, 4, 16], True)
+    """
+    win = _windows(int(h), int(w), int(wy), int(wx), int(sx), int(sy))
+    rows, t = max(int(blocks), 2), win.tensors()
+    if step is None or win.num_dst == 0:
+        return paddle.expand(t["top_left"].unsqueeze(0), [rows, win.count, win.size])
+    is_dst = _dst_flags(t, step, seed, rows).reshape([rows, win.count, win.size])
+    return paddle.argsort(is_dst, axis=-1, stable=True)
+
+
+def _match_windows(metric: paddle.Tensor, win: "_Windows", partition: paddle.Tensor, kind: str
+                   ) -> Tuple[paddle.Tensor, paddle.Tensor]:
+    """Best dst in its window and the cosine similarity to it, for every src of every window: ``[B*W, Ns_w]`` each.
+    The src and the dst are gathered into window order (the one token-sized buffer, normalised in place) and
+    compared with one batched ``[B*W, Ns_w, Nd_w]`` product. Non-finite tokens are not cleared token by token (a
+    dense plan spreads them over their window anyway); a src whose best similarity is not finite counts as 0."""
+    work, channels = similarity_dtype(metric.dtype, kind), metric.shape[2]
+    if _dtype_name(metric.dtype) != work:
+        metric = metric.astype(work)
+    pos = paddle.take_along_axis(win.tensors()["order"], partition, axis=1, broadcast=False)  # [W, T] positions
+    src_pos, dst_pos = paddle.split(pos, [win.num_src, win.num_dst], axis=1)
+    src = paddle.gather(metric, src_pos.reshape([-1]), axis=1).reshape([-1, win.num_src, channels])
+    dst = paddle.gather(metric, dst_pos.reshape([-1]), axis=1).reshape([-1, win.num_dst, channels])
+    src = _normalize_rows(src, kind, in_place=True)
+    dst = _normalize_rows(dst, kind, in_place=True)
+    scores = paddle.matmul(src, dst, transpose_y=True)  # [B*W, Ns_w, Nd_w]
+    del src, dst
+    return _clear_non_finite(scores.max(axis=-1)), scores.argmax(axis=-1)
+
+
+class LocalMergePlan(MergePlan):
+    """A merge plan whose matching stays inside windows (build one with :meth:`from_matching`).
+
+    Each src is matched only to the dst of its own ``wy x wx`` window, and every window merges the same number
+    ``r_w`` of its src (its most similar ones), so shapes are static and the similarity is a batched
+    ``[B*W, Ns_w, Nd_w]`` product: it grows as ``N * window`` instead of ``N**2``. Merged rows come window by
+    window: the kept src of window 0, its dst, then window 1, ...
+
+    Applying it differs by device kind:
+
+    * ``"gpu"``: the plan is two per-window matrices in the tokens' dtype, ``unmerge_matrix`` ``[B*W, T, Mw]`` (a
+      one-hot of the merged row of every token) and ``merge_matrix`` ``[B*W, Mw, T]`` (its transpose, each row
+      divided by its group size). ``merge`` and ``unmerge`` are then one gather (the window layout) and one batched
+      matmul each, plus two free reshapes: few kernel launches, a fixed summation order (bit-identical run to run)
+      and memory that grows as ``N * window``;
+    * ``"cpu"``: the same assignment as row tables, applied by :class:`MergePlan`'s ``index_add`` and gather (on a
+      CPU a dense product over the window costs more than the scatter it replaces).
+
+    Non-finite tokens: with the dense form a NaN or inf token makes its whole window non-finite (``0 * inf``), not
+    just its group; attention would spread it further anyway.
+    """
+
+    def __init__(self, num_tokens: int, batch_size: int, r: int = 0, kind: str = "cpu"):
+        super().__init__(num_tokens, batch_size, r, kind)
+        self.windows: Optional[_Windows] = None
+        self.window_r = 0
+
+    @classmethod
+    def from_matching(  # type: ignore[override]
+        cls, metric: paddle.Tensor, windows: Tuple[int, int, int, int, int, int], partition: paddle.Tensor,
+        window_r: int, kind: Optional[str] = None,
+    ) -> "LocalMergePlan":
+        """Match within windows and plan the merge of ``window_r`` src per window.
+
+        Args:
+            metric: ``[B, N, C]`` tokens on an ``h x w`` grid.
+            windows: ``(h, w, wy, wx, sx, sy)``: the grid, its window sides (see :func:`window_sides`) and strides.
+            partition: ``[W, T]`` window-local partition (one row of :func:`window_partition_table`).
+            window_r: src merged per window, ``0 < window_r <= Ns_w``.
+            kind: ``"cpu"`` or ``"gpu"`` kernels; default from ``metric``'s place.
+        """
+        kind = kind or device_kind(metric)
+        win = _windows(*(int(v) for v in windows))
+        batch, channels = int(metric.shape[0]), metric.shape[2]
+        plan = cls(int(metric.shape[1]), batch, win.count * int(window_r), kind)
+        plan.windows, plan.window_r, plan.num_src = win, int(window_r), win.count * win.num_src
+        with paddle.no_grad():
+            best, best_dst = _match_windows(metric.detach(), win, partition, kind)
+            spare = 1 if kind == "gpu" and batch == 1 and win.count == 1 else 0  # (a one-row GPU sort syncs)
+            order = paddle.argsort(F.pad(best, [0, spare, 0, 0]), axis=-1, descending=True, stable=True)
+            order = order[:-1] if spare else order
+            plan._build_local(order, best_dst, partition, batch)
+        return plan
+
+    def _build_local(self, order: paddle.Tensor, best_dst: paddle.Tensor, partition: paddle.Tensor, batch: int) -> None:
+        """The merged row (within its window) of every token: kept src first, then the dst, each merged src on
+        its dst's row; then either the two matrices (GPU) or the row tables (CPU)."""
+        win, r_w = self.windows, self.window_r
+        kept, m_w = win.num_src - r_w, win.size - r_w
+        b = _local_tables(-1 if tracing() else batch, win, m_w, order)
+        local = paddle.tile(partition, b["repeat"])  # [B*W, T]
+        src_local, dst_local = paddle.split(local, [win.num_src, win.num_dst], axis=1)
+        tokens = paddle.concat([paddle.take_along_axis(src_local, order, axis=1, broadcast=False), dst_local], axis=1)
+        merged_dst = paddle.take_along_axis(best_dst, order[:, :r_w], axis=1, broadcast=False)
+        rows = paddle.concat([merged_dst + kept, b["rows"]], axis=1)  # the row of each token, in sorted order
+        # every token of a window is written exactly once: no conflicts (its own base: a static program may write
+        # the output in place)
+        row_of = paddle.put_along_axis(b["zeros"], tokens, rows, axis=1)  # [B*W, T], window-local token order
+        if self.kind == "gpu":
+            onehot = F.one_hot(row_of, m_w)  # [B*W, T, Mw] float32 of exact 0/1
+            counts = paddle.sum(onehot, axis=1, keepdim=True)  # [B*W, 1, Mw]: group sizes, exact integers
+            self.tables = {"unmerge_matrix": onehot, "merge_matrix": (onehot / counts).transpose([0, 2, 1])}
+        else:
+            flat = (row_of + b["offsets"]).reshape([-1, win.count * win.size])  # [B, W*T], window-major tokens
+            unmerge_rows = paddle.gather(flat, win.tensors()["inverse"], axis=1).reshape([-1])  # grid order
+            counts = paddle.index_add(b["zeros_m"], unmerge_rows, 0, b["ones_n"])
+            row_scale = paddle.gather(paddle.reciprocal(counts), unmerge_rows)
+            self.tables = {"unmerge_rows": unmerge_rows, "counts": counts, "row_scale": row_scale}
+
+    def __repr__(self) -> str:
+        win = self.windows
+        shape = f", windows={win.count}x{win.wy}x{win.wx}" if win is not None else ""
+        return f"LocalMergePlan(batch_size={self.batch_size}, num_tokens={self.num_tokens}, r={self.r}{shape}, kind={self.kind!r})"
+
+    def _matrix(self, name: str, dtype: str) -> paddle.Tensor:
+        """One of the dense matrices in ``dtype`` (built in float32, cast once per dtype and kept)."""
+        key = f"{name}:{dtype}"
+        if key not in self.tables:
+            matrix = self.tables[name]
+            self.tables[key] = matrix if _dtype_name(matrix.dtype) == dtype else matrix.astype(dtype)
+        return self.tables[key]
+
+    def merge(self, x: paddle.Tensor, mode: str = "mean") -> paddle.Tensor:
+        if self.kind != "gpu" or self.is_identity:
+            return super().merge(x, mode)
+        if mode != "mean":
+            raise ValueError(f"a dense local plan only averages (mode='mean'); got {mode!r}")
+        self._check(x, self.num_tokens, "merge")
+        win, channels = self.windows, x.shape[-1]
+        tokens = paddle.gather(x, win.tensors()["flat_order"], axis=1).reshape([-1, win.size, channels])
+        out = paddle.matmul(self._matrix("merge_matrix", _dtype_name(x.dtype)), tokens)  # [B*W, Mw, C]
+        return out.reshape([-1, self.merged_tokens, channels])
+
+    def unmerge(self, y: paddle.Tensor) -> paddle.Tensor:
+        if self.kind != "gpu" or self.is_identity:
+            return super().unmerge(y)
+        self._check(y, self.merged_tokens, "unmerge")
+        win, channels = self.windows, y.shape[-1]
+        rows = y.reshape([-1, win.size - self.window_r, channels])
+        out = paddle.matmul(self._matrix("unmerge_matrix", _dtype_name(y.dtype)), rows)  # [B*W, T, C]
+        return paddle.gather(out.reshape([-1, self.num_tokens, channels]), win.tensors()["inverse"], axis=1)
+
+
+def _local_tables(batch: int, win: "_Windows", m_w: int, like: paddle.Tensor) -> Dict[str, Any]:
+    """Per-batch tables of a local plan: cached per batch size in eager mode, built from the runtime shape of
+    ``like`` (``[B*W, ...]``) while tracing a dynamic batch."""
+    if batch < 0:
+        return _build_local_tables(paddle.shape(like)[0] // win.count, win.count, win.size, m_w)
+    return _CACHE.get(("local", batch, win.count, win.size, m_w), _build_local_tables, batch, win.count, win.size, m_w)
+
+
+def _build_local_tables(batch: Any, count: int, size: int, m_w: int) -> Dict[str, Any]:
+    rows = batch * count
+    return {
+        "repeat": [batch, 1],
+        "rows": paddle.tile(paddle.arange(m_w, dtype="int64").unsqueeze(0), [rows, 1]),  # [B*W, Mw]
+        "zeros": paddle.zeros([rows, size], dtype="int64"),
+        "offsets": (paddle.arange(rows, dtype="int64") * m_w).unsqueeze(-1),  # first row of every window
+        "zeros_m": paddle.zeros([rows * m_w, 1], dtype="float32"),
+        "ones_n": paddle.ones([rows * size, 1], dtype="float32"),
+    }
 
 
 # ToDo: token downsampling of keys and values (Smith et al. 2024) ----------------------------------------------------

@@ -20,7 +20,8 @@ _FUNCTIONS = [
     (paddle, "matmul"), (paddle, "sum"), (paddle, "square"), (paddle, "rsqrt"), (paddle, "where_"),
     (paddle, "gather"), (paddle, "isfinite"), (paddle.linalg, "norm"), (paddle.nn.functional, "pad"),
 ]
-_METHODS = ["__truediv__", "multiply_", "max", "argmax", "__mul__"]
+_METHODS = ["__truediv__", "multiply_", "divide_", "max", "argmax", "__mul__"]
+_IN_PLACE = {"where_": 1, "multiply_": 0, "divide_": 0}  # which argument an in-place op updates
 
 
 def _half_of(values):
@@ -67,8 +68,8 @@ calls: list = []
 def half_kernels(monkeypatch):
     """Within this context, half-precision tensors work in the functions the GPU branch uses (see module doc)."""
     calls.clear()
-    for owner, name in _FUNCTIONS:  # paddle.where_(condition, x, y) updates x
-        monkeypatch.setattr(owner, name, _wrap(getattr(owner, name), target=1 if name == "where_" else None))
-    for name in _METHODS:  # Tensor.multiply_(self, y) updates self
-        monkeypatch.setattr(paddle.Tensor, name, _wrap(getattr(paddle.Tensor, name), target=0 if name == "multiply_" else None))
+    for owner, name in _FUNCTIONS:
+        monkeypatch.setattr(owner, name, _wrap(getattr(owner, name), target=_IN_PLACE.get(name)))
+    for name in _METHODS:
+        monkeypatch.setattr(paddle.Tensor, name, _wrap(getattr(paddle.Tensor, name), target=_IN_PLACE.get(name)))
     yield calls

@@ -116,3 +116,54 @@ def reference_downsample(x: np.ndarray, h: int, w: int, factor: int, mode: str) 
                 else:
                     out[b, i * out_w + j] = np.mean([x[b, y * w + z] for y in rows for z in cols], axis=0)
     return out
+
+
+def reference_windows(h: int, w: int, wy: int, wx: int):
+    """Grid positions of the tokens of every ``wy x wx`` window, row-major inside a window, windows row-major."""
+    return [
+        [(y0 + ty) * w + (x0 + tx) for ty in range(wy) for tx in range(wx)]
+        for y0 in range(0, h, wy)
+        for x0 in range(0, w, wx)
+    ]
+
+
+def reference_local(metric: np.ndarray, x: np.ndarray, h: int, w: int, wy: int, wx: int, partition: np.ndarray,
+                    num_src: int, r_w: int):
+    """Local matching in float64 with plain loops: in every window, src (the first ``num_src`` tokens of the
+    window's row of ``partition``, window-local indices) are matched to the window's dst by cosine similarity,
+    the ``r_w`` most similar (stable on ties) merge into their dst by mean. Returns ``(merged, round_trip,
+    margin)``: the merged tokens window by window (kept src in descending similarity, then the dst), ``x`` after
+    merge and unmerge, and the smallest gap deciding a choice (for tie-free inputs)."""
+    metric, x = metric.astype(np.float64), x.astype(np.float64)
+    windows = reference_windows(h, w, wy, wx)
+    merged, round_trip, margins = [], np.zeros_like(x), [math.inf]
+    for b in range(x.shape[0]):
+        rows = []
+        for k, cells in enumerate(windows):
+            order = [cells[i] for i in partition[k]]
+            src, dst = order[:num_src], order[num_src:]
+            unit = metric[b] / np.maximum(np.linalg.norm(metric[b], axis=-1, keepdims=True), 1e-300)
+            scores = unit[src] @ unit[dst].T
+            best_dst, best = scores.argmax(axis=-1), scores.max(axis=-1)
+            ranked = np.argsort(-best, kind="stable")
+            top = np.sort(scores, axis=-1)
+            if top.shape[1] > 1:
+                margins.append(float((top[:, -1] - top[:, -2]).min()))
+            if 0 < r_w < len(best):
+                margins.append(float(-np.diff(np.sort(best)[::-1])[r_w - 1]))
+            sums = x[b, dst].copy()
+            count = np.ones(len(dst))
+            for i in ranked[:r_w]:
+                sums[best_dst[i]] += x[b, src[i]]
+                count[best_dst[i]] += 1
+            means = sums / count[:, None]
+            rows.extend(x[b, src[i]] for i in ranked[r_w:])
+            rows.extend(means)
+            for i in ranked[r_w:]:
+                round_trip[b, src[i]] = x[b, src[i]]
+            for j, pos in enumerate(dst):
+                round_trip[b, pos] = means[j]
+            for i in ranked[:r_w]:
+                round_trip[b, src[i]] = means[best_dst[i]]
+        merged.append(np.stack(rows))
+    return np.stack(merged), round_trip, min(margins)
