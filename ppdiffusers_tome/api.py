@@ -179,6 +179,9 @@ def apply_tome(
     downsample_factor: int = 2,
     downsample_mode: str = "nearest",
     recompute_every: Union[int, Sequence[int]] = 1,
+    match_window: Optional[int] = None,
+    share_plan: str = "block",
+    min_tokens: int = 0,
 ) -> Any:
     """Patch a pipeline, a UNet, a ControlNet (single or multi), a DiT / PixArt-alpha transformer or a list of
     them with ToMe; returns ``obj``.
@@ -193,7 +196,9 @@ def apply_tome(
     Beyond tomesd: ``max_downsample="auto"`` (the default) finds the finest level with transformer blocks, so SDXL
     merges too; ``ratio=(0.6, 0.3)`` or a callable of the denoising progress schedules the ratio;
     ``recompute_every=k`` reuses each block's matching for ``k`` steps; ``method="todo"`` downsamples keys and
-    values instead of merging tokens.
+    values instead of merging tokens; ``match_window=16`` matches within windows and, on a GPU, merges with two
+    small matmuls; ``share_plan="level"`` plans once per level and call; ``min_tokens`` skips blocks too small to
+    pay for a plan.
 
     Example:
         >>> import ppdiffusers_tome
@@ -376,8 +381,18 @@ def tome_status(obj: Any) -> Dict[str, Dict[str, Any]]:
 
 def tome_stats(obj: Any) -> Dict[str, Dict[str, int]]:
     """Counters per patched model of ``obj``, all since ``apply_tome``: ``blocks`` patched, forward ``calls`` seen,
-    sub-layer ``merges`` run on merged (or, with ToDo, downsampled) tokens, and merge plans ``plans_computed``
-    (matching run) and ``plans_reused`` (taken from the cache of ``recompute_every``)."""
+    sub-layer ``merges`` run on merged (or, with ToDo, downsampled) tokens, merge plans ``plans_computed``
+    (matching run), ``plans_reused`` (taken from the cache of ``recompute_every``) and ``plans_shared`` (taken from
+    an earlier block of the same call with ``share_plan="level"``), and ``blocks_skipped``: block calls that would
+    have merged but had fewer than ``min_tokens`` tokens in all.
+
+    Example:
+        >>> import ppdiffusers_tome
+        >>> from ppdiffusers_tome.testing import tiny_unet
+        >>> unet = ppdiffusers_tome.apply_tome(tiny_unet(), share_plan="level")
+        >>> sorted(ppdiffusers_tome.tome_stats(unet)["UNet2DConditionModel"])
+        ['blocks', 'blocks_skipped', 'calls', 'merges', 'plans_computed', 'plans_reused', 'plans_shared']
+    """
     stats = {}
     for name, model in _targets(obj, for_apply=False):
         patch = get_patch(model)
@@ -389,6 +404,8 @@ def tome_stats(obj: Any) -> Dict[str, Dict[str, int]]:
                 "merges": state.merges,
                 "plans_computed": state.plans_computed,
                 "plans_reused": state.plans_reused,
+                "plans_shared": state.plans_shared,
+                "blocks_skipped": state.blocks_skipped,
             }
     return stats
 

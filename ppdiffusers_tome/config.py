@@ -21,6 +21,8 @@ __all__ = [
     "ALLOWED_MAX_DOWNSAMPLE",
     "METHODS",
     "MAX_STRIDE",
+    "MAX_WINDOW",
+    "SHARE_PLAN",
     "RatioSpec",
     "ratio_at",
     "tokens_to_merge",
@@ -32,6 +34,10 @@ DOWNSAMPLE_FACTORS = range(2, 9)
 # Largest sx/sy. A 64 x 64 cell already covers the whole 1x latent grid of a 512 px image (one dst token, a ratio up
 # to 0.9997); larger strides change nothing useful and only make the partition's index arrays huge.
 MAX_STRIDE = 64
+# Largest match_window: 128 tokens per side is the whole 1x grid of a 1024 px image (local matching then equals
+# global matching, with a dense [N - r, N] plan per image: beyond that a dense plan stops being small).
+MAX_WINDOW = 128
+SHARE_PLAN = ("block", "level")
 _SCHEDULE_PROBES = 11  # a ratio callable is checked at progress 0, 0.1, ..., 1 when the config is made
 
 RatioSpec = Union[float, Tuple[float, float], Callable[[float], float]]
@@ -143,6 +149,18 @@ class ToMeConfig:
             recompute at every step, as the paper does), or a list of the step indices (0-based) at which to
             recompute; other steps reuse the latest plan. Merging always uses the current tokens; a reused plan
             keeps the number of merged tokens of its step (a ratio schedule moves at the recompute steps).
+        match_window: ``None`` (the default: every src may merge into any dst, as in tomesd) or the side, in
+            tokens, of the windows that matching stays inside (an integer in [2, 128], at least ``max(sx, sy)``).
+            Each window merges ``int(ratio * window tokens)`` of its src; the side actually used on a grid is the
+            divisor of the grid side nearest to it, so equal windows tile the grid. On a GPU the plan is then held
+            as two small matrices per window, and merge and unmerge are one batched matmul each (few kernel
+            launches, a fixed summation order, memory that grows as ``N * window``).
+        share_plan: ``"block"`` (the default: every block matches its own input, as in tomesd) or ``"level"``: the
+            first merging block at each token count plans, and the others at that count reuse its plan in the
+            same call (and, with ``recompute_every``, across steps).
+        min_tokens: merge only in blocks whose ``batch * tokens`` is at least this (an integer >= 0; 0, the
+            default, merges everywhere). Below some size the plan costs more than the attention it saves (on a GPU
+            with FlashAttention, at 512 px and one image); skipped blocks are counted by ``tome_stats``.
 
     >>> ToMeConfig(ratio=0.3).tokens_to_merge(4096)
     1228
@@ -165,6 +183,9 @@ class ToMeConfig:
     downsample_factor: int = 2
     downsample_mode: str = "nearest"
     recompute_every: Union[int, Tuple[int, ...]] = 1
+    match_window: Optional[int] = None
+    share_plan: str = "block"
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         # every value is checked by type before any comparison (an array or a tensor compared with a str or an int
@@ -210,6 +231,27 @@ class ToMeConfig:
                 "True and merge_crossattn and merge_mlp False"
             )
         object.__setattr__(self, "recompute_every", self._checked_recompute(self.recompute_every))
+        self._check_local_options(store)
+
+    def _check_local_options(self, store: Callable[[str, Any], None]) -> None:
+        window, smallest = self.match_window, max(self.sx, self.sy)
+        if window is not None:
+            if not _is_int(window) or not max(2, smallest) <= window <= MAX_WINDOW:
+                raise ValueError(
+                    f"match_window must be None (match across the whole grid, as tomesd) or an integer in "
+                    f"[{max(2, smallest)}, {MAX_WINDOW}] (tokens per side of a matching window, at least "
+                    f"max(sx, sy)={smallest} so that a window holds a cell); got {_shown(window)}"
+                )
+            store("match_window", int(window))
+        share = _as_choice(self.share_plan, SHARE_PLAN)
+        if share is None:
+            raise ValueError(f"share_plan must be one of {SHARE_PLAN}; got {_shown(self.share_plan)}")
+        store("share_plan", share)
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise ValueError(
+                f"min_tokens must be an integer >= 0 (merge only where batch * tokens reaches it); got {_shown(self.min_tokens)}"
+            )
+        store("min_tokens", int(self.min_tokens))
 
     def _checked_ratio(self, ratio: Any) -> RatioSpec:
         def check(value: Any, where: str) -> float:

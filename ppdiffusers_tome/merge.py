@@ -728,6 +728,7 @@ def bipartite_soft_matching_random2d(
 
 
 # Local matching with a dense plan (issue #17; the recipe of ToMA, Lu et al. 2025) ---------------------------------------
+@functools.lru_cache(maxsize=256)
 def window_sides(h: int, w: int, window: int, sx: int = 2, sy: int = 2) -> Tuple[int, int]:
     """The window ``(wy, wx)`` used for local matching on an ``h x w`` grid when ``window`` tokens per side are
     asked for: on each axis the divisor of the side closest to ``window`` (on a log scale, the larger one on a tie)
@@ -815,10 +816,10 @@ def _match_windows(metric: paddle.Tensor, win: "_Windows", partition: paddle.Ten
         metric = metric.astype(work)
     pos = paddle.take_along_axis(win.tensors()["order"], partition, axis=1, broadcast=False)  # [W, T] positions
     src_pos, dst_pos = paddle.split(pos, [win.num_src, win.num_dst], axis=1)
-    src = paddle.gather(metric, src_pos.reshape([-1]), axis=1).reshape([-1, win.num_src, channels])
-    dst = paddle.gather(metric, dst_pos.reshape([-1]), axis=1).reshape([-1, win.num_dst, channels])
-    src = _normalize_rows(src, kind, in_place=True)
-    dst = _normalize_rows(dst, kind, in_place=True)
+    # normalised before the reshape: a static program refuses in-place ops on a reshaped (viewed) tensor
+    src = _normalize_rows(paddle.gather(metric, src_pos.reshape([-1]), axis=1), kind, in_place=True)
+    dst = _normalize_rows(paddle.gather(metric, dst_pos.reshape([-1]), axis=1), kind, in_place=True)
+    src, dst = src.reshape([-1, win.num_src, channels]), dst.reshape([-1, win.num_dst, channels])
     scores = paddle.matmul(src, dst, transpose_y=True)  # [B*W, Ns_w, Nd_w]
     del src, dst
     return _clear_non_finite(scores.max(axis=-1)), scores.argmax(axis=-1)

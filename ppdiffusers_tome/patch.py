@@ -32,7 +32,14 @@ from ppdiffusers.models.attention import BasicTransformerBlock
 
 from .config import ToMeConfig, check_ratio, ratio_at, tokens_to_merge
 from .hooks import TENSOR_TYPES, BlockHooks, HookRecord, SublayerHooks
-from .merge import DownsamplePlan, MergePlan, bipartite_soft_matching_random2d, find_downsample
+from .merge import (
+    DownsamplePlan,
+    LocalMergePlan,
+    MergePlan,
+    bipartite_soft_matching_random2d,
+    find_downsample,
+    window_sides,
+)
 from .state import ToMeState, ToMeStaticGraphError
 
 logger = logging.getLogger(__name__)
@@ -89,6 +96,7 @@ class ModelPatch:
         self.todo = config.method == "todo"
         self.fixed_ratio = None if config.is_scheduled else config.ratio
         self.caches = config.caches_plans  # (Paddle's SOT tracer cannot call dataclass properties)
+        self.share_level = config.share_plan == "level"
         # transformer-only models (DiT, PixArt-alpha): the token grid is the patch grid
         patch_size = getattr(model, "patch_size", None) if getattr(model, "is_input_patches", False) else None
         self.patch_size: Optional[int] = int(patch_size) if patch_size else None
@@ -212,14 +220,32 @@ class ModelPatch:
         if grid is None:
             return None
         _, grid_h, grid_w = grid
+        if self.config.min_tokens and self._below_min_tokens(hidden):
+            self.state.blocks_skipped += 1
+            return None
         if self.todo:
             config = self.config
             return DownsamplePlan(hidden.shape[1], hidden.shape[0], grid_h, grid_w, config.downsample_factor,
                                   config.downsample_mode)
-        r = tokens_to_merge(hidden.shape[1], self._ratio_now())  # (Paddle's SOT tracer cannot call dataclass methods)
-        if r <= 0:
-            return None
-        return self._merge_plan(block_index, hidden, grid_h, grid_w, r)
+        state, tokens = self.state, hidden.shape[1]
+        if self.share_level:  # an earlier block of this call planned at this token count
+            plan = state.shared_plan(tokens)
+            if plan is not None and plan.batch_size == hidden.shape[0]:
+                state.plans_shared += 1
+                return plan
+        plan = self._merge_plan(block_index, hidden, grid_h, grid_w, self._ratio_now())
+        if plan is not None and self.share_level:
+            state.share_plan(tokens, plan)
+        return plan
+
+    def _below_min_tokens(self, hidden: Any) -> bool:
+        batch = hidden.shape[0]
+        if batch is None or batch < 0:
+            raise ToMeStaticGraphError(
+                f"ToMe with min_tokens={self.config.min_tokens} compares batch * tokens with it, but this program's "
+                "batch is dynamic; give the InputSpec a fixed batch or set min_tokens=0 before converting"
+            )
+        return batch * hidden.shape[1] < self.config.min_tokens
 
     def _grid_if_merging(self, hidden: Any) -> Optional[Tuple[int, int, int]]:
         """``(level, grid_h, grid_w)`` of the block input ``hidden`` when this block merges in this call."""
@@ -239,18 +265,40 @@ class ModelPatch:
         config = self.config
         return check_ratio(ratio_at(config.ratio, progress), config.sx, config.sy, f"(progress={progress:.3f})")
 
-    def _merge_plan(self, block_index: int, hidden: Any, grid_h: int, grid_w: int, r: int) -> MergePlan:
-        """A new plan, or under ``recompute_every`` the one cached for this block and step."""
+    def _merge_plan(self, block_index: int, hidden: Any, grid_h: int, grid_w: int, ratio: float) -> Optional[MergePlan]:
+        """A new plan, or under ``recompute_every`` the one cached for this block (or level) and step; None when
+        ``ratio`` merges nothing here."""
         state = self.state
-        plan = state.cached_plan(block_index, hidden.shape[0], grid_h, grid_w) if self.caches else None
+        key = f"level{hidden.shape[1]}" if self.share_level else str(block_index)
+        plan = state.cached_plan(key, hidden.shape[0], grid_h, grid_w) if self.caches else None
         if plan is not None:
             state.plans_reused += 1
             return plan
-        plan = self.make_plan(block_index, hidden, grid_h, grid_w, r)
+        if self.config.match_window is not None:
+            plan = self.make_local_plan(block_index, hidden, grid_h, grid_w, ratio)
+        else:
+            r = tokens_to_merge(hidden.shape[1], ratio)  # (Paddle's SOT tracer cannot call dataclass methods)
+            plan = self.make_plan(block_index, hidden, grid_h, grid_w, r) if r > 0 else None
+        if plan is None:
+            return None
         state.plans_computed += 1
         if self.caches:
-            state.store_plan(block_index, plan, grid_h, grid_w)
+            state.store_plan(key, plan, grid_h, grid_w)
         return plan
+
+    def make_local_plan(self, block_index: int, hidden: Any, grid_h: int, grid_w: int, ratio: float
+                        ) -> Optional[LocalMergePlan]:
+        """Match the block input within windows of about ``match_window`` tokens per side; each window merges
+        ``int(ratio * window tokens)`` of its src. None when no window holds a cell or nothing would merge."""
+        config = self.config
+        wy, wx = window_sides(grid_h, grid_w, config.match_window, config.sx, config.sy)
+        cells = (wy // config.sy) * (wx // config.sx)
+        window_r = min(tokens_to_merge(wy * wx, ratio), wy * wx - cells)
+        if cells == 0 or window_r <= 0:
+            return None
+        partition = self.state.window_partition_for(block_index, grid_h, grid_w, wy, wx)
+        windows = (grid_h, grid_w, wy, wx, config.sx, config.sy)
+        return LocalMergePlan.from_matching(hidden, windows, partition, window_r)
 
     def make_plan(self, block_index: int, hidden: Any, grid_h: int, grid_w: int, r: int) -> MergePlan:
         """Match the block input ``hidden`` on its ``grid_h x grid_w`` grid and plan the merge of ``r`` tokens."""

@@ -21,7 +21,7 @@ import numpy as np
 import paddle
 
 from .config import ToMeConfig
-from .merge import MergePlan, partition_table, step_key, tracing
+from .merge import MergePlan, partition_table, step_key, tracing, window_partition_table
 
 __all__ = ["CallRecord", "StepHistory", "ToMeState", "ToMeStaticGraphError", "timestep_values"]
 
@@ -72,6 +72,7 @@ class CallRecord:
         self.merged_blocks = 0  # (kept after the call ends, for reporting)
         self.finest_level: Optional[int] = None  # (kept after the call ends, for reporting)
         self.plans: Dict[int, Any] = {}  # block index -> plan of this call
+        self.shared: Dict[int, Any] = {}  # token count -> plan shared by the blocks at that level (share_plan="level")
         self.active: Dict[str, MergePlan] = {}  # "<block>/<sub-layer>" -> plan whose unmerge is pending
 
 
@@ -143,7 +144,8 @@ class ToMeState:
     >>> state.end_call()
     """
 
-    COUNTERS = ("calls", "merges", "plans_computed", "plans_reused", "warned_no_merge", "warned_timestep_range")
+    COUNTERS = ("calls", "merges", "plans_computed", "plans_reused", "plans_shared", "blocks_skipped",
+                "warned_no_merge", "warned_timestep_range")
 
     def __init__(self, config: ToMeConfig, train_timesteps: int = 1000, num_blocks: int = 1):
         self.config = config
@@ -167,7 +169,9 @@ class ToMeState:
         self.calls = 0
         self.merges = 0  # sub-layer calls that ran on merged tokens, all calls together
         self.plans_computed = 0
-        self.plans_reused = 0
+        self.plans_reused = 0  # taken from the step cache (recompute_every)
+        self.plans_shared = 0  # taken from an earlier block of the same call (share_plan="level")
+        self.blocks_skipped = 0  # blocks that would merge but are below min_tokens
         self.warned_no_merge = False
         self.warned_timestep_range = False
 
@@ -229,6 +233,7 @@ class ToMeState:
         call.number = self.calls
         call.merged_blocks, call.finest_level = 0, None
         call.plans.clear()
+        call.shared.clear()
         call.active.clear()
         call.partitions.clear()
         call.latent_hw = latent_hw
@@ -244,6 +249,7 @@ class ToMeState:
             self._threads.history.restore(call.saved)
         call.saved = None
         call.plans.clear()
+        call.shared.clear()
         call.active.clear()
         call.partitions.clear()
         call.latent_hw = None
@@ -352,12 +358,12 @@ class ToMeState:
         return _take(self._threads.call.active, key)
 
     # plan caching and partitions --------------------------------------------------------------------------------------
-    def cached_plan(self, block_index: int, batch: int, grid_h: int, grid_w: int) -> Optional[MergePlan]:
-        """The plan this block may reuse at the current step under ``recompute_every``, or None. A reused plan
-        keeps the ``r`` of the step it was computed at (with a ratio schedule, ``r`` follows the schedule at the
-        recompute steps)."""
+    def cached_plan(self, key: str, batch: int, grid_h: int, grid_w: int) -> Optional[MergePlan]:
+        """The plan a block (``key``: its index, or its level when plans are shared) may reuse at the current step
+        under ``recompute_every``, or None. A reused plan keeps the ``r`` of the step it was computed at (with a
+        ratio schedule, ``r`` follows the schedule at the recompute steps)."""
         history, every = self._threads.history, self.config.recompute_every
-        entry = history.cache.get(f"{block_index}/{history.slot}")
+        entry = history.cache.get(f"{key}/{history.slot}")
         if entry is None:
             return None
         plan, step, grid = entry
@@ -367,9 +373,17 @@ class ToMeState:
             return None if history.step in every else plan
         return plan if history.step - step < every else None
 
-    def store_plan(self, block_index: int, plan: MergePlan, grid_h: int, grid_w: int) -> None:
+    def store_plan(self, key: str, plan: MergePlan, grid_h: int, grid_w: int) -> None:
         history = self._threads.history
-        history.cache[f"{block_index}/{history.slot}"] = (plan, history.step, (grid_h, grid_w))
+        history.cache[f"{key}/{history.slot}"] = (plan, history.step, (grid_h, grid_w))
+
+    def shared_plan(self, num_tokens: int) -> Any:
+        """The plan an earlier block of the call in flight made at ``num_tokens`` tokens (``share_plan="level"``)."""
+        shared = self._threads.call.shared
+        return shared[num_tokens] if num_tokens in shared else None
+
+    def share_plan(self, num_tokens: int, plan: Any) -> None:
+        self._threads.call.shared[num_tokens] = plan
 
     def partition_for(self, block_index: int, grid_h: int, grid_w: int) -> Any:
         """Block ``block_index``'s random partition of a ``grid_h x grid_w`` grid in the call in flight: a row of a
@@ -381,5 +395,22 @@ class ToMeState:
                 call.step_key = step_key(call.timestep if call.timestep is not None else call.number)
             config = self.config
             table = partition_table(grid_h, grid_w, config.sx, config.sy, call.step_key, config.seed, self.num_blocks)
+            call.partitions[key] = table
+        return table[block_index]
+
+    def window_partition_for(self, block_index: int, grid_h: int, grid_w: int, wy: int, wx: int) -> Any:
+        """Block ``block_index``'s ``[W, T]`` window-local partition for local matching in the call in flight (drawn
+        once per call, grid and window for every block; top-left dst without ``use_rand``)."""
+        call, key = self._threads.call, f"{grid_h}x{grid_w}/{wy}x{wx}"
+        table = call.partitions[key] if key in call.partitions else None
+        if table is None:
+            config = self.config
+            step = None
+            if config.use_rand:
+                if call.step_key is None:
+                    call.step_key = step_key(call.timestep if call.timestep is not None else call.number)
+                step = call.step_key
+            table = window_partition_table(grid_h, grid_w, wy, wx, config.sx, config.sy, step, config.seed,
+                                           self.num_blocks)
             call.partitions[key] = table
         return table[block_index]

@@ -51,13 +51,14 @@ def transfers_of(run):
     return transfers, out
 
 
+@pytest.mark.parametrize("options", [{}, dict(match_window=8, share_plan="level")], ids=["defaults", "local-shared"])
 @pytest.mark.parametrize("timestep_kind", ["0-d", "[B]"])
 @pytest.mark.parametrize("batch", [1, 2])
-def test_patched_forward_adds_no_host_device_transfer(batch, timestep_kind):
+def test_patched_forward_adds_no_host_device_transfer(batch, timestep_kind, options):
     unet = tiny_unet()
     run = unet_call(unet, batch, 16, timestep_kind)
     vanilla, vanilla_out = transfers_of(run)
-    ppdiffusers_tome.apply_tome(unet)  # the defaults
+    ppdiffusers_tome.apply_tome(unet, **options)
     try:
         patched, patched_out = transfers_of(run)
         merged = ppdiffusers_tome.tome_stats(unet)["UNet2DConditionModel"]["merges"]
@@ -72,13 +73,14 @@ def test_patched_forward_adds_no_host_device_transfer(batch, timestep_kind):
     )
 
 
-@pytest.mark.parametrize("kind", ["gpu", "cpu"])
-def test_ops_added_per_merging_block_within_budget(kind, monkeypatch):
+@pytest.mark.parametrize("kind, options", [("gpu", {}), ("cpu", {}), ("gpu", dict(match_window=16, share_plan="level"))],
+                         ids=["gpu", "cpu", "gpu-local-shared"])
+def test_ops_added_per_merging_block_within_budget(kind, options, monkeypatch):
     monkeypatch.setattr(merge_module, "DEVICE_OVERRIDE", kind)
     unet = tiny_unet()
     run = unet_call(unet, 2, 32, "[B]")  # 32 x 32 latent: 1024 tokens at the 1x level, as in the issue
     vanilla = count_forward_ops(run, unet)
-    ppdiffusers_tome.apply_tome(unet)
+    ppdiffusers_tome.apply_tome(unet, **options)
     try:
         patched = count_forward_ops(run, unet)
     finally:

@@ -606,7 +606,7 @@ def test_apply_and_remove_from_a_step_callback_take_effect_at_the_next_step():
         return kwargs
 
     run(pipe, steps=5, callback_on_step_end=callback)
-    expected = {"blocks": 7, "calls": 2, "merges": 6, "plans_computed": 6, "plans_reused": 0}
+    expected = {"blocks": 7, "calls": 2, "merges": 6, "plans_computed": 6, "plans_reused": 0, "plans_shared": 0, "blocks_skipped": 0}
     assert log == [expected]  # steps 1 and 2 merged, 3 blocks each
     assert get_patch(pipe.unet) is None
 
@@ -704,3 +704,85 @@ def test_ratio_zero_never_warns_about_merging_nothing():
         with paddle.no_grad():
             unet(*args, **kwargs)
     assert not [w for w in caught if "merged no tokens" in str(w.message)]
+
+
+# issue #17: local matching, plans shared per level, min_tokens -------------------------------------------------------
+def test_match_window_blocks_merge_with_the_local_plan_written_by_hand():
+    from ppdiffusers_tome.merge import LocalMergePlan, window_partition_table, window_sides
+
+    unet = tiny_unet()
+    block = find_blocks(unet)[0][1]
+    rng = np.random.default_rng(5)
+    x = paddle.to_tensor(rng.standard_normal((2, 256, 32)).astype("float32"))
+    context = paddle.to_tensor(rng.standard_normal((2, 5, 32)).astype("float32"))
+    wy, wx = window_sides(16, 16, 8)
+    partition = window_partition_table(16, 16, wy, wx, 2, 2, None, seed=0, blocks=1)[0]
+    plan = LocalMergePlan.from_matching(x, (16, 16, wy, wx, 2, 2), partition, 32)  # int(64 * 0.5)
+    with paddle.no_grad():
+        expected = expected_block_output(block, x, context, plan).numpy()
+        patch = ModelPatch.install(unet, ToMeConfig(use_rand=False, match_window=8))
+        patch.state.begin_call(paddle.zeros([2, 4, 16, 16]), None)
+        got = block(x, encoder_hidden_states=context).numpy()
+        used = patch.plan_in_flight(0)
+    patch.remove()
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+    assert used is None or isinstance(used, LocalMergePlan)  # (the block's post-hook has already dropped it)
+
+
+def sd15_layout_unet():
+    from ppdiffusers_tome.presets import preset_pipeline
+
+    return preset_pipeline("sd15-narrow").unet  # SD-1.5's layout: five transformer blocks at 1x
+
+
+@pytest.mark.parametrize("window", [None, 8])
+def test_share_plan_level_plans_once_per_level_and_call(window):
+    unet = sd15_layout_unet()
+    inputs = unet_inputs(unet, batch=2, hw=(16, 16))
+    plans = {}
+    for share in ("block", "level"):
+        ppdiffusers_tome.apply_tome(unet, share_plan=share, match_window=window)
+        patch, seen = get_patch(unet), []
+        handles = [b.attn1.register_forward_pre_hook(lambda layer, args, i=i: seen.append(patch.plan_in_flight(i)))
+                   for i, (_, b) in enumerate(find_blocks(unet))]
+        with paddle.no_grad():
+            unet(*inputs)
+            unet(*inputs)
+        for handle in handles:
+            handle.remove()
+        stats = ppdiffusers_tome.tome_stats(unet)["UNet2DConditionModel"]
+        plans[share] = stats["plans_computed"] / stats["calls"]
+        merging = [p for p in seen if p is not None]
+        assert len(merging) == 10 and stats["merges"] == 10  # five 1x blocks, two calls
+        if share == "level":
+            assert merging[0] is merging[4] and merging[5] is merging[9] and merging[0] is not merging[5]
+            assert stats["plans_shared"] == 8
+    assert plans == {"block": 5.0, "level": 1.0}  # issue #17: >= 2.5x fewer plans per SD-1.5 call
+    ppdiffusers_tome.remove_tome(unet)
+
+
+def test_share_plan_level_with_recompute_every_reuses_the_level_plan_across_steps():
+    unet = tiny_unet()
+    sample, _, context = unet_inputs(unet)
+    ppdiffusers_tome.apply_tome(unet, share_plan="level", recompute_every=2)
+    with paddle.no_grad():
+        for t in (999, 980, 960, 940):
+            unet(sample, paddle.to_tensor([t, t]), context)
+    stats = ppdiffusers_tome.tome_stats(unet)["UNet2DConditionModel"]
+    # 4 calls x 3 merging blocks: planned at steps 0 and 2, taken from the step cache at 1 and 3, shared otherwise
+    assert (stats["plans_computed"], stats["plans_reused"], stats["plans_shared"]) == (2, 2, 8)
+
+
+def test_min_tokens_skips_blocks_below_it_and_counts_them():
+    unet = tiny_unet()
+    inputs = unet_inputs(unet, batch=2, hw=(16, 16))  # 1x level: 256 tokens, batch * tokens = 512
+    with paddle.no_grad():
+        vanilla = unet(*inputs).sample.numpy()
+        ppdiffusers_tome.apply_tome(unet, min_tokens=512)
+        at_threshold = unet(*inputs).sample.numpy()
+        ppdiffusers_tome.apply_tome(unet, min_tokens=513)
+        above = unet(*inputs).sample.numpy()
+    stats = ppdiffusers_tome.tome_stats(unet)["UNet2DConditionModel"]
+    assert np.abs(at_threshold - vanilla).max() > 1e-4  # 512 >= 512: merged
+    np.testing.assert_array_equal(above, vanilla)  # 512 < 513: every block skipped, nothing planned
+    assert stats["blocks_skipped"] == 3 and stats["plans_computed"] == 0 and stats["merges"] == 0
