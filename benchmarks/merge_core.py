@@ -8,7 +8,11 @@ writes JSON. Not a test: timings on shared machines are noisy, so read the ratio
     bash run.sh python benchmarks/merge_core.py --threads 1 --output outputs/merge_core.json
 
 ``--baseline REV`` adds the merge core of an earlier git revision (its standalone ``merge.py``) as a third
-contender, interleaved with the other two, for before/after numbers from one run.
+contender, interleaved with the other two, for before/after numbers from one run. ``--match-window W`` adds local
+matching (``apply_tome(match_window=W)``: each src matched within its ``W x W`` window, the same r) as another
+contender, and ``--kind gpu`` runs our kernels' GPU branch on the CPU (what a GPU would execute: the dense local
+plan, the token-dtype similarity) — ratios against the built-in port then compare different algorithms, so read
+the per-part rows: plan (built once per level with ``share_plan="level"``) and merge + unmerge (every block).
 """
 
 from __future__ import annotations
@@ -29,7 +33,13 @@ import paddle
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ppdiffusers_tome.measure import environment, median, set_threads  # noqa: E402
-from ppdiffusers_tome.merge import bipartite_soft_matching_random2d  # noqa: E402
+from ppdiffusers_tome.merge import (  # noqa: E402
+    LocalMergePlan,
+    bipartite_soft_matching_random2d,
+    step_key,
+    window_partition_table,
+    window_sides,
+)
 
 
 def builtin_port():
@@ -50,6 +60,17 @@ def baseline_port(revision):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.bipartite_soft_matching_random2d
+
+
+def local_contender(side, window, r, kind):
+    """Plan function of local matching on a ``side x side`` grid with windows of about ``window`` tokens per side,
+    merging ``r`` tokens in all (the same share in every window), as ``apply_tome(match_window=window)`` does."""
+    wy, wx = window_sides(side, side, window)
+    count = (side // wy) * (side // wx)
+    window_r = r // count
+    partition = window_partition_table(side, side, wy, wx, 2, 2, step_key(999), seed=1, blocks=1)[0]
+    windows = (side, side, wy, wx, 2, 2)
+    return lambda t: LocalMergePlan.from_matching(t, windows, partition, window_r, kind)  # noqa: E731
 
 
 def time_once(fn_plan, x):
@@ -91,6 +112,10 @@ def main(argv=None):
     parser.add_argument("--threads", type=int, default=None, help="Paddle CPU threads (default: all cores)")
     parser.add_argument("--output", default=os.path.join("outputs", "merge_core.json"))
     parser.add_argument("--baseline", default=None, metavar="REV", help="also time merge.py of this git revision")
+    parser.add_argument("--match-window", type=int, default=None, metavar="W",
+                        help="also time local matching in windows of about W tokens per side (default: off)")
+    parser.add_argument("--kind", choices=("auto", "cpu", "gpu"), default="auto",
+                        help="our kernels: from the place (auto, the default), or a forced branch")
     args = parser.parse_args(argv)
     threads = set_threads(args.threads)
     builtin = builtin_port()
@@ -103,11 +128,14 @@ def main(argv=None):
         x = paddle.to_tensor(np.random.default_rng(0).standard_normal((b, n, c)).astype("float32"))
         r = n // 2
         rng = np.random.default_rng(1)
-        ours = lambda t: bipartite_soft_matching_random2d(t, side, side, 2, 2, r, generator=rng)  # noqa: E731
+        kind = None if args.kind == "auto" else args.kind
+        ours = lambda t: bipartite_soft_matching_random2d(t, side, side, 2, 2, r, generator=rng, kind=kind)  # noqa: E731
         theirs = lambda t: builtin(t, side, side, 2, 2, r, no_rand=False)  # noqa: E731
         contenders = {"ours": ours, "builtin": theirs}
         if baseline is not None:
             contenders["baseline"] = lambda t: baseline(t, side, side, 2, 2, r, generator=rng)  # noqa: E731
+        if args.match_window:
+            contenders["local"] = local_contender(side, args.match_window, r, kind)
         runs = interleaved(contenders, x, args.repeats)
         merged = {name: {part: median([run[part] for run in r]) for part in r[0]} for name, r in runs.items()}
         rows.append(
@@ -124,9 +152,17 @@ def main(argv=None):
             rows[-1]["baseline"] = args.baseline
             rows[-1]["baseline_ms"] = {k: v * 1e3 for k, v in merged["baseline"].items()}
             rows[-1]["vs_baseline_paired"] = paired_ratio(runs, "baseline", "ours")
+        if args.match_window:
+            rows[-1]["match_window"] = args.match_window
+            rows[-1]["local_ms"] = {k: v * 1e3 for k, v in merged["local"].items()}
+            rows[-1]["local_vs_ours_paired"] = paired_ratio(runs, "ours", "local")
     extra = f" | {'baseline ms':>11} | {'vs baseline':>11}" if baseline is not None else ""
+    extra += f" | {'local ms':>9} | {'ours/local':>10}" if args.match_window else ""
     header = f"{'shape':>14} | {'part':>7} | {'builtin ms':>10} | {'ours ms':>8} | {'ratio':>6}{extra}"
-    lines = [f"merge core micro-benchmark, {threads} thread(s), median of {args.repeats} runs", header, "-" * len(header)]
+    title = f"merge core micro-benchmark, {threads} thread(s), median of {args.repeats} runs, kernels: {args.kind}"
+    if args.match_window:
+        title += f", local = windows of about {args.match_window} tokens per side"
+    lines = [title, header, "-" * len(header)]
     for row in rows:
         shape = "x".join(str(v) for v in row["shape"])
         for part in ("plan", "merge", "unmerge", "total"):
@@ -135,14 +171,19 @@ def main(argv=None):
             if baseline is not None:
                 before = row["baseline_ms"][part]
                 line += f" | {before:11.2f} | {before / mine:10.2f}x"
+            if args.match_window:
+                local = row["local_ms"][part]
+                line += f" | {local:9.2f} | {mine / local:9.2f}x"
             lines.append(line)
-        paired = [("builtin", row["speedup_paired"])] + ([("baseline", row["vs_baseline_paired"])] if baseline else [])
+        paired = [("builtin/ours", row["speedup_paired"])]
+        paired += [("baseline/ours", row["vs_baseline_paired"])] if baseline else []
+        paired += [("ours/local", row["local_vs_ours_paired"])] if args.match_window else []
         lines.append(f"{shape:>14} | paired per-round total ratio (median, range): " + "; ".join(
-            f"{name}/ours {p['median']:.2f}x [{p['min']:.2f}, {p['max']:.2f}]" for name, p in paired))
+            f"{name} {p['median']:.2f}x [{p['min']:.2f}, {p['max']:.2f}]" for name, p in paired))
     print("\n".join(lines))
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     with open(args.output, "w", encoding="utf-8") as f:
-        json.dump({"environment": environment(threads, "float32"), "rows": rows}, f, indent=2)
+        json.dump({"environment": environment(threads, "float32"), "kind": args.kind, "rows": rows}, f, indent=2)
     print(f"wrote {args.output}")
 
 
