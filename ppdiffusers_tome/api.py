@@ -182,6 +182,7 @@ def apply_tome(
     match_window: Optional[int] = None,
     share_plan: str = "block",
     min_tokens: int = 0,
+    deterministic: bool = False,
 ) -> Any:
     """Patch a pipeline, a UNet, a ControlNet (single or multi), a DiT / PixArt-alpha transformer or a list of
     them with ToMe; returns ``obj``.
@@ -198,7 +199,7 @@ def apply_tome(
     ``recompute_every=k`` reuses each block's matching for ``k`` steps; ``method="todo"`` downsamples keys and
     values instead of merging tokens; ``match_window=16`` matches within windows and, on a GPU, merges with two
     small matmuls; ``share_plan="level"`` plans once per level and call; ``min_tokens`` skips blocks too small to
-    pay for a plan.
+    pay for a plan; ``deterministic=True`` merges without float atomics on a GPU (bit-identical run to run).
 
     Example:
         >>> import ppdiffusers_tome

@@ -161,6 +161,12 @@ class ToMeConfig:
         min_tokens: merge only in blocks whose ``batch * tokens`` is at least this (an integer >= 0; 0, the
             default, merges everywhere). Below some size the plan costs more than the attention it saves (on a GPU
             with FlashAttention, at 512 px and one image); skipped blocks are counted by ``tome_stats``.
+        deterministic: on a GPU, merge without float atomics so that the same seed gives bit-identical outputs
+            run to run (default False: the merge is one ``index_add``, whose float atomics may change the last
+            bits). Costs about 30 more kernel launches per merging block (73 instead of 42, measured; a shared
+            plan, ``share_plan="level"``, brings it back to 42) and a float64 ``[B, 3N/4, C]`` buffer during the
+            merge. No effect on a CPU (deterministic either way) or with ``match_window`` (the dense
+            local plan has no atomics).
 
     >>> ToMeConfig(ratio=0.3).tokens_to_merge(4096)
     1228
@@ -186,6 +192,7 @@ class ToMeConfig:
     match_window: Optional[int] = None
     share_plan: str = "block"
     min_tokens: int = 0
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         # every value is checked by type before any comparison (an array or a tensor compared with a str or an int
@@ -209,7 +216,7 @@ class ToMeConfig:
             raise ValueError(
                 f"max_downsample must be 'auto' or one of {ALLOWED_MAX_DOWNSAMPLE}; got {_shown(max_downsample)}"
             )
-        for name in ("use_rand", "merge_attn", "merge_crossattn", "merge_mlp"):
+        for name in ("use_rand", "merge_attn", "merge_crossattn", "merge_mlp", "deterministic"):
             flag = _as_bool(getattr(self, name))
             if flag is None:
                 raise ValueError(f"{name} must be True or False; got {_shown(getattr(self, name))}")

@@ -392,6 +392,23 @@ def _build_batch_tables(count: Any, num_tokens: int, merged_tokens: int, kept: i
     }
 
 
+def _group_batch_tables(batch: int, num_dst: int, length: int, like: paddle.Tensor) -> Dict[str, Any]:
+    """Per-batch tables of the deterministic merge: ``dst_keys`` (``[B, Nd]``: ``2d``), a ``spare`` key row, and
+    ``last`` (``[B, 1]``: ``b * length - 1``, turning an item's group end count into a flat row)."""
+    if batch < 0:
+        return _build_group_tables(paddle.shape(like)[0], num_dst, length)
+    return _CACHE.get(("groups", batch, num_dst, length), _build_group_tables, batch, num_dst, length)
+
+
+def _build_group_tables(count: Any, num_dst: int, length: int) -> Dict[str, Any]:
+    keys = paddle.arange(num_dst, dtype="int64").unsqueeze(0) * 2
+    return {
+        "dst_keys": paddle.tile(keys, [count, 1]),
+        "spare": paddle.zeros([1, length], dtype="int64"),
+        "last": paddle.arange(count, dtype="int64").unsqueeze(-1) * length - 1,
+    }
+
+
 def _score_offsets(batch: int, num_src: int, num_dst: int, like: paddle.Tensor) -> paddle.Tensor:
     """``[B, Ns]`` offset of each score row in the flattened ``[B, Ns, Nd]`` similarity (for reading each row's best
     score with one gather instead of a second pass over the matrix)."""
@@ -511,11 +528,12 @@ class MergePlan:
     merged src, and of the dst it joined).
     """
 
-    def __init__(self, num_tokens: int, batch_size: int, r: int = 0, kind: str = "cpu"):
+    def __init__(self, num_tokens: int, batch_size: int, r: int = 0, kind: str = "cpu", deterministic: bool = False):
         self.num_tokens = int(num_tokens)
         self.batch_size = int(batch_size)
         self.r = max(int(r), 0)
         self.kind = kind
+        self.deterministic = bool(deterministic)
         self.num_src = 0
         self.partition: Optional[paddle.Tensor] = None  # [N] grid positions in partition order
         self.merged_idx: Optional[paddle.Tensor] = None  # [B, r] partition slot of each merged src
@@ -525,14 +543,18 @@ class MergePlan:
     # construction ---------------------------------------------------------------------------------------------
     @classmethod
     def from_matching(
-        cls, metric: paddle.Tensor, partition: paddle.Tensor, num_src: int, r: int, kind: Optional[str] = None
+        cls, metric: paddle.Tensor, partition: paddle.Tensor, num_src: int, r: int, kind: Optional[str] = None,
+        deterministic: bool = False,
     ) -> "MergePlan":
         """Match the src of ``partition`` (``[N]`` grid positions: ``num_src`` src, then the dst) to their most
         similar dst by cosine similarity of ``metric`` (``[B, N, C]``) and plan the merge of the ``r`` src with the
-        highest similarity into their dst (``0 < r <= num_src``)."""
+        highest similarity into their dst (``0 < r <= num_src``).
+
+        ``deterministic=True`` makes the GPU kernels' merge free of float atomics (see :meth:`merge`); the CPU
+        kernels are deterministic either way."""
         kind = kind or device_kind(metric)
         num_tokens, batch = int(metric.shape[1]), int(metric.shape[0])
-        plan = cls(num_tokens, batch, r, kind)
+        plan = cls(num_tokens, batch, r, kind, deterministic)
         plan.partition, plan.num_src = partition, int(num_src)
         num_dst = num_tokens - num_src
         with paddle.no_grad():
@@ -566,6 +588,47 @@ class MergePlan:
         counts = paddle.index_add(b["zeros_m"], unmerge_rows, 0, b["ones_n"])
         row_scale = paddle.gather(paddle.reciprocal(counts), unmerge_rows)  # float32: exact for counts < 2**24
         self.tables = {"unmerge_rows": unmerge_rows, "counts": counts, "row_scale": row_scale}
+        if self.kind == "gpu" and self.deterministic:
+            self.tables.update(self._group_tables(rows.reshape([-1, n]), counts, b))
+
+    def _group_tables(self, rows: paddle.Tensor, counts: paddle.Tensor, b: Dict[str, Any]) -> Dict[str, Any]:
+        """Tables of the deterministic merge (GPU kernels with ``deterministic=True``): every item's dst and merged
+        src as one sequence ordered by group (each dst, then the src merged into it, in slot order), the position
+        of every group's last member in it, the group sizes and the input rows of the kept src.
+
+        ``rows`` is ``[B, N]``: the input rows in sorted order, ``[merged src | kept src | dst]``."""
+        n, r, num_src = self.num_tokens, self.r, self.num_src
+        num_dst, length = n - num_src, n - num_src + r
+        merged, kept, dst = paddle.split(rows, [r, num_src - r, num_dst], axis=1)
+        g = _group_batch_tables(self.batch_size, num_dst, length, rows)
+        # group key: dst d is 2d, a src merged into d is 2d + 1; a stable sort keeps the src of a group in slot order
+        keys = paddle.concat([g["dst_keys"], paddle.scale(self.merged_dst, 2.0, 1.0)], axis=1)
+        # (a spare row keeps a GPU argsort off its synchronising single-row path)
+        order = paddle.argsort(paddle.concat([keys, g["spare"]], axis=0), axis=-1, stable=True)[:-1]
+        sequence = paddle.take_along_axis(paddle.concat([dst, merged], axis=1), order, axis=1, broadcast=False)
+        sizes = counts.reshape([-1, n - r])[:, num_src - r:]  # [B, Nd] float32 1 + k, exact integers
+        ends = paddle.cumsum(sizes, axis=1).astype("int64") + g["last"]  # flat row of each group's last member
+        return {"group_rows": sequence.reshape([-1]), "group_ends": ends.reshape([-1]), "kept_rows": kept.reshape([-1]),
+                "group_sizes": sizes.astype("float64").unsqueeze(-1)}
+
+    def _merge_groups(self, x: paddle.Tensor, mode: str) -> paddle.Tensor:
+        """The deterministic merge: each group's sum as the difference of two running sums over the group-ordered
+        sequence, in float64 (a scan and gathers: no atomics, a fixed order, memory ``[B, Nd + r, C]``; float64
+        keeps the difference of two long running sums exact to well below float32 rounding)."""
+        t, channels = self.tables, x.shape[-1]
+        num_dst, kept = self.num_tokens - self.num_src, self.num_src - self.r
+        flat = x.reshape([-1, channels])
+        sequence = paddle.gather(flat, t["group_rows"]).astype("float64").reshape([-1, num_dst + self.r, channels])
+        running = paddle.cumsum(sequence, axis=1).reshape([-1, channels])
+        del sequence
+        totals = paddle.gather(running, t["group_ends"]).reshape([-1, num_dst, channels])  # through each group's end
+        del running
+        sums = totals - F.pad(totals[:, :-1], [0, 0, 1, 0, 0, 0])  # minus the total through the previous group
+        out = sums / t["group_sizes"] if mode == "mean" else sums
+        out = out.astype(x.dtype)
+        if kept == 0:
+            return out
+        return paddle.concat([paddle.gather(flat, t["kept_rows"]).reshape([-1, kept, channels]), out], axis=1)
 
     # description ------------------------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Callable]:
@@ -625,12 +688,19 @@ class MergePlan:
         ``mode="mean"`` averages each dst with the src merged into it (the ToMe SD rule); ``"sum"`` adds them.
         Arithmetic runs in :func:`compute_dtype`; the result has ``x``'s dtype. The mean is formed as
         ``dst/(1+k) + sum(src/(1+k))``, a convex combination, so it is finite wherever the inputs are.
+
+        Kernels: one ``index_add`` of the (weighted) rows. On a CPU it adds in row order; on a GPU it uses float
+        atomics, so the last bits of a sum may differ from run to run. A plan built with ``deterministic=True``
+        on GPU kernels sums each group instead as the difference of two float64 running sums (one scan, gathers,
+        no atomics): bit-identical run to run, for more kernels and a ``[B, Nd + r, C]`` float64 buffer.
         """
         if mode not in _MERGE_MODES:
             raise ValueError(f"mode must be one of {_MERGE_MODES}, got {mode!r}")
         self._check(x, self.num_tokens, "merge")
         if self.is_identity:
             return x
+        if "group_rows" in self.tables:
+            return self._merge_groups(x, mode)
         channels, work, t = x.shape[-1], compute_dtype(x.dtype), self.tables
         flat = x.reshape([-1, channels])
         if _dtype_name(x.dtype) != work:
@@ -679,6 +749,7 @@ def bipartite_soft_matching_random2d(
     generator: GeneratorLike = None,
     partition: Optional[paddle.Tensor] = None,
     kind: Optional[str] = None,
+    deterministic: bool = False,
 ) -> MergePlan:
     """Plan the merge of ``r`` src tokens into their most similar dst tokens (ToMe SD, Bolya & Hoffman 2023).
 
@@ -696,6 +767,8 @@ def bipartite_soft_matching_random2d(
         partition: a precomputed ``[N]`` row of :func:`partition_table` (overrides ``no_rand``/``generator``);
             this is how the model glue passes partitions drawn on the device.
         kind: ``"cpu"`` or ``"gpu"`` kernels; default from ``metric``'s place (see :func:`device_kind`).
+        deterministic: on GPU kernels, merge without float atomics (bit-identical run to run; see
+            :meth:`MergePlan.merge` for the cost). CPU kernels are deterministic either way.
 
     Returns:
         A :class:`MergePlan`; ``merge, unmerge = bipartite_soft_matching_random2d(...)`` works.
@@ -724,7 +797,7 @@ def bipartite_soft_matching_random2d(
         else:
             step = paddle.full([], 0, dtype="int64")
             partition = partition_table(h, w, sx, sy, step, _generator_seed(generator), 1)[0]
-    return MergePlan.from_matching(metric, partition, num_tokens - num_dst, r, kind)
+    return MergePlan.from_matching(metric, partition, num_tokens - num_dst, r, kind, deterministic)
 
 
 # Local matching with a dense plan (issue #17; the recipe of ToMA, Lu et al. 2025) ---------------------------------------

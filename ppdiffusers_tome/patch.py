@@ -306,5 +306,6 @@ class ModelPatch:
         cells = (grid_h // config.sy) * (grid_w // config.sx)
         partition = self.state.partition_for(block_index, grid_h, grid_w) if config.use_rand and cells else None
         return bipartite_soft_matching_random2d(
-            hidden, grid_w, grid_h, config.sx, config.sy, r, no_rand=True, partition=partition
+            hidden, grid_w, grid_h, config.sx, config.sy, r, no_rand=True, partition=partition,
+            deterministic=config.deterministic,
         )
