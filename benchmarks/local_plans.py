@@ -46,8 +46,11 @@ CONFIGS: Dict[str, Any] = {
     "tome+share": {"share_plan": "level"},
     "local16": {"match_window": 16},
     "local16+share": {"match_window": 16, "share_plan": "level"},
+    "local32": {"match_window": 32},
+    "local32+share": {"match_window": 32, "share_plan": "level"},
     "todo": {"method": "todo"},
 }
+DEFAULT_CONFIGS = ["vanilla", "tome", "tome+share", "local16", "local16+share", "todo"]
 
 
 def unet_inputs(unet, resolution: int, vae_scale: int, seed: int):
@@ -72,8 +75,8 @@ def decoded_x0(pipe, sample, eps) -> np.ndarray:
     return np.clip((image.numpy() + 1) / 2, 0, 1)
 
 
-def measure_cell(pipe, resolution: int, vae_scale: int, seeds: int) -> Dict[str, Dict[str, Any]]:
-    names = list(CONFIGS)
+def measure_cell(pipe, resolution: int, vae_scale: int, seeds: int, configs: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
+    names = list(configs)
     times = {n: [] for n in names}
     outputs = {n: [] for n in names}
     plans = {}
@@ -81,19 +84,19 @@ def measure_cell(pipe, resolution: int, vae_scale: int, seeds: int) -> Dict[str,
         sample, timestep, context = unet_inputs(pipe.unet, resolution, vae_scale, seed)
         if seed == 0:  # warm-up of every configuration
             for name in names:
-                apply(pipe, CONFIGS[name])
+                apply(pipe, configs[name])
                 with paddle.no_grad():
                     pipe.unet(sample, timestep, context)
         order = names[seed % len(names):] + names[: seed % len(names)]
         for name in order:
-            apply(pipe, CONFIGS[name])
+            apply(pipe, configs[name])
             with paddle.no_grad():
                 start = time.perf_counter()
                 eps = pipe.unet(sample, timestep, context).sample
                 times[name].append(time.perf_counter() - start)
                 image = decoded_x0(pipe, sample, eps)
             outputs[name].append((eps.numpy(), image))
-            if CONFIGS[name] is not None:
+            if configs[name] is not None:
                 stats = ppdiffusers_tome.tome_stats(pipe.unet)["UNet2DConditionModel"]
                 plans[name] = stats["plans_computed"] / max(stats["calls"], 1)
         print(f"  seed {seed}: " + ", ".join(f"{n} {times[n][-1]:.1f}s" for n in names), flush=True)
@@ -113,7 +116,7 @@ def measure_cell(pipe, resolution: int, vae_scale: int, seeds: int) -> Dict[str,
     return cell
 
 
-def count_gpu_ops(pipe, vae_scale: int) -> Dict[str, Dict[str, float]]:
+def count_gpu_ops(pipe, vae_scale: int, configs: Dict[str, Any]) -> Dict[str, Dict[str, float]]:
     """Eager ops added by each configuration, GPU branch forced, at a 32 x 32 latent (the count does not depend on
     the size): per merging block and per call."""
     merge_module.DEVICE_OVERRIDE = "gpu"
@@ -127,7 +130,7 @@ def count_gpu_ops(pipe, vae_scale: int) -> Dict[str, Dict[str, float]]:
         apply(pipe, None)
         vanilla = count_forward_ops(run, pipe.unet)
         counts = {}
-        for name, options in CONFIGS.items():
+        for name, options in configs.items():
             if options is None:
                 continue
             apply(pipe, options)
@@ -146,12 +149,15 @@ def plan_peaks(tokens: int, channels: int) -> Dict[str, float]:
     side = int(round(tokens ** 0.5))
     x = paddle.to_tensor(np.random.default_rng(0).standard_normal((2, tokens, channels)).astype("float32"))
     core = paddle.base.core
-    wy, wx = merge_module.window_sides(side, side, 16)
-    table = merge_module.window_partition_table(side, side, wy, wx, 2, 2, merge_module.step_key(500), 0, 1)
+    def local(window):
+        wy, wx = merge_module.window_sides(side, side, window)
+        table = merge_module.window_partition_table(side, side, wy, wx, 2, 2, merge_module.step_key(500), 0, 1)
+        return lambda: merge_module.LocalMergePlan.from_matching(x, (side, side, wy, wx, 2, 2), table[0], (wy * wx) // 2)
+
     runs = {
         "global": lambda: merge_module.bipartite_soft_matching_random2d(x, side, side, 2, 2, tokens // 2, generator=0),
-        "local16": lambda: merge_module.LocalMergePlan.from_matching(x, (side, side, wy, wx, 2, 2), table[0],
-                                                                     (wy * wx) // 2),
+        "local16": local(16),
+        "local32": local(32),
         "todo": lambda: merge_module.DownsamplePlan(tokens, 2, side, side, 2),
     }
     peaks = {}
@@ -173,7 +179,8 @@ def plan_peaks(tokens: int, channels: int) -> Dict[str, float]:
     return peaks
 
 
-PEAK_OF = {"tome": "global", "tome+share": "global", "local16": "local16", "local16+share": "local16", "todo": "todo"}
+PEAK_OF = {"tome": "global", "tome+share": "global", "local16": "local16", "local16+share": "local16",
+           "local32": "local32", "local32+share": "local32", "todo": "todo"}
 
 
 def main(argv=None) -> None:
@@ -183,18 +190,21 @@ def main(argv=None) -> None:
     parser.add_argument("--seeds", type=int, default=4, help="seeds per cell (>= 2 for a spread)")
     parser.add_argument("--threads", type=int, default=None, help="Paddle CPU threads (default: all cores)")
     parser.add_argument("--output", default=os.path.join("outputs", "local_plans"))
+    parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=DEFAULT_CONFIGS,
+                        help=f"configurations to compare (default: {' '.join(DEFAULT_CONFIGS)}); vanilla is always one")
     args = parser.parse_args(argv)
+    configs = {name: CONFIGS[name] for name in ["vanilla"] + [c for c in args.configs if c != "vanilla"]}
     threads = set_threads(args.threads)
     os.makedirs(args.output, exist_ok=True)
     result = {"environment": environment(threads, "float32"), "version": ppdiffusers_tome.__version__,
-              "configs": CONFIGS, "cells": []}
+              "configs": configs, "cells": []}
     for preset in args.presets:
         pipe = preset_pipeline(preset)
         vae_scale = 2 ** (len(pipe.vae.config.block_out_channels) - 1)
-        ops = count_gpu_ops(pipe, vae_scale)
+        ops = count_gpu_ops(pipe, vae_scale, configs)
         for resolution in args.resolutions:
             print(f"{preset} at {resolution}px:", flush=True)
-            cell = measure_cell(pipe, resolution, vae_scale, args.seeds)
+            cell = measure_cell(pipe, resolution, vae_scale, args.seeds, configs)
             tokens = (resolution // vae_scale) ** 2
             peaks = plan_peaks(tokens, pipe.unet.config.block_out_channels[0])
             rows = [["config", "speed-up (range)", "rel L2", "PSNR dB", "plans/call", "ops/block", "ops/call",
