@@ -118,9 +118,22 @@ def check_ratio(value: Any, sx: int, sy: int, where: str = "") -> float:
     return float(value)
 
 
+def _checked_unused_ratio(value: Any, where: str) -> float:
+    """``value`` as a float if it is a number in [0, 1), the check of a ratio that ``method="todo"`` does not use
+    (a ratio of some stride, so no stride limit), else a ``ValueError`` naming ``ratio<where>``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or value != value or not 0 <= value < 1:
+        raise ValueError(
+            f"ratio{where} must be a number in [0, 1) (method='todo' does not use it, but it must still be a ratio); "
+            f"got {_shown(value)}"
+        )
+    return float(value)
+
+
 @dataclass(frozen=True)
 class ToMeConfig:
-    """Settings of ToMe for Stable Diffusion; defaults are those of the paper and tomesd.
+    """Settings of ToMe for Stable Diffusion. The defaults are tomesd's (the paper's settings) except
+    ``max_downsample``: ``"auto"`` here, 1 in tomesd (the same level on SD 1.x/2.x, level 2 instead of nothing on
+    SDXL); every option that tomesd lacks is off by default.
 
     Args:
         ratio: share of the tokens merged in every patched block, ``0 <= ratio < 1 - 1/(sx*sy)`` (0.75 for the
@@ -140,8 +153,10 @@ class ToMeConfig:
         seed: base seed of ToMe's own random partition (an integer >= 0). The partition of a block is a pure
             function of (seed, block, timestep, grid size), so identical calls give identical images.
         method: ``"tome"`` (merge, run, unmerge) or ``"todo"`` (ToDo: every query stays; only the keys and values
-            of self-attention are downsampled on the token grid, so nothing is matched or unmerged). ToDo ignores
-            ``ratio``, ``sx``, ``sy``, ``use_rand`` and ``recompute_every``.
+            of self-attention are downsampled on the token grid, so nothing is matched or unmerged). ToDo does not
+            use ``ratio``, ``sx``, ``sy``, ``use_rand`` or ``recompute_every``; they are only checked for their
+            type: ``ratio`` is a number in [0, 1) (no stride limit), a pair of such numbers or a callable (not
+            called), ``sx``/``sy`` integers in [1, 64], ``use_rand`` a bool, ``recompute_every`` as for ToMe.
         downsample_factor: ToDo's downsampling per side, an integer in [2, 8] (2 keeps 1/4 of the keys, 4 keeps
             1/16).
         downsample_mode: ToDo's ``"nearest"`` (top-left token of each cell) or ``"average"`` (mean of the cell).
@@ -198,6 +213,11 @@ class ToMeConfig:
         # every value is checked by type before any comparison (an array or a tensor compared with a str or an int
         # raises from inside numpy/paddle), and stored as the plain Python value (np.int64(2) -> 2)
         store = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 - frozen dataclass
+        # the method first: with ToDo the ratio is not used, so it is not held to the stride limit
+        method = _as_choice(self.method, METHODS)
+        if method is None:
+            raise ValueError(f"method must be one of {METHODS}; got {_shown(self.method)}")
+        store("method", method)
         for name in ("sx", "sy"):
             value = getattr(self, name)
             if not _is_int(value) or not 1 <= value <= MAX_STRIDE:
@@ -224,11 +244,10 @@ class ToMeConfig:
         if not _is_int(self.seed) or self.seed < 0:
             raise ValueError(f"seed must be an integer >= 0; got {_shown(self.seed)}")
         store("seed", int(self.seed))
-        for name, choices in (("method", METHODS), ("downsample_mode", DOWNSAMPLE_MODES)):
-            choice = _as_choice(getattr(self, name), choices)
-            if choice is None:
-                raise ValueError(f"{name} must be one of {choices}; got {_shown(getattr(self, name))}")
-            store(name, choice)
+        mode = _as_choice(self.downsample_mode, DOWNSAMPLE_MODES)
+        if mode is None:
+            raise ValueError(f"downsample_mode must be one of {DOWNSAMPLE_MODES}; got {_shown(self.downsample_mode)}")
+        store("downsample_mode", mode)
         if not _is_int(self.downsample_factor) or self.downsample_factor not in DOWNSAMPLE_FACTORS:
             raise ValueError(f"downsample_factor must be an integer in [2, 8]; got {_shown(self.downsample_factor)}")
         store("downsample_factor", int(self.downsample_factor))
@@ -261,13 +280,19 @@ class ToMeConfig:
         store("min_tokens", int(self.min_tokens))
 
     def _checked_ratio(self, ratio: Any) -> RatioSpec:
+        todo = self.method == "todo"
+
         def check(value: Any, where: str) -> float:
+            if todo:
+                return _checked_unused_ratio(value, where)
             return check_ratio(value, self.sx, self.sy, where)
 
         if isinstance(ratio, (tuple, list)):
             if len(ratio) != 2:
                 raise ValueError(f"ratio as a schedule must be a (start, end) pair; got {_shown(ratio)}")
             return (check(ratio[0], " start"), check(ratio[1], " end"))
+        if callable(ratio) and todo:  # never called by ToDo, so not probed either
+            return ratio
         if callable(ratio):
             for i in range(_SCHEDULE_PROBES):
                 progress = i / (_SCHEDULE_PROBES - 1)

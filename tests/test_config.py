@@ -215,3 +215,52 @@ def test_a_callable_ratio_returning_odd_values_is_refused_by_name():
     with pytest.raises(ValueError, match=r"^ratio\(progress=0\) must be a number in \[0, 0.75\); got array"):
         ToMeConfig(ratio=lambda p: np.array([0.5, 0.5]))
     assert ToMeConfig(ratio=lambda p: np.float32(0.5)).ratio_at(0.5) == 0.5
+
+
+# issue #21 item 3: ToDo does not use ratio/sx/sy/use_rand/recompute_every, so it does not hold the ratio to the stride
+# limit; they are still checked for their type, so garbage fails with a message naming the argument
+def test_todo_ignores_the_stride_limit_of_the_ratio_but_still_checks_its_type():
+    assert ToMeConfig(method="todo", ratio=0.9).ratio == 0.9  # above 1 - 1/(sx*sy) = 0.75: ToDo does not use it
+    assert ToMeConfig(method="todo", ratio=0.9, sx=1, sy=1).ratio == 0.9
+    assert ToMeConfig(method="todo", ratio=(0.95, 0.8)).ratio == (0.95, 0.8)
+    calls = []
+    schedule = lambda p: calls.append(p) or 5.0  # noqa: E731 - out of range, but ToDo never calls it
+    assert ToMeConfig(method="todo", ratio=schedule).ratio is schedule and calls == []
+    with pytest.raises(ValueError, match=r"ratio must be in \[0, 0.75\)"):
+        ToMeConfig(method="tome", ratio=0.9)  # ToMe keeps the limit
+    for value, where in [(1.0, ""), (-0.1, ""), (float("nan"), ""), ("0.5", ""), (True, ""), ((0.5, 1.5), " end")]:
+        with pytest.raises(ValueError, match=rf"^ratio{where} must be a number in \[0, 1\) \(method='todo' does not"):
+            ToMeConfig(method="todo", ratio=value)
+    for kwargs, message in [
+        (dict(sx=0), r"^sx must be an integer >= 1 and <= 64"),
+        (dict(sy=2.5), r"^sy must be an integer >= 1 and <= 64"),
+        (dict(use_rand="yes"), r"^use_rand must be True or False"),
+        (dict(recompute_every=0), r"^recompute_every must be an integer >= 1"),
+        (dict(recompute_every=[-1]), r"^recompute_every must be an integer >= 1 or a non-empty list"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            ToMeConfig(method="todo", **kwargs)
+
+
+def test_a_todo_patch_with_a_ratio_above_the_stride_limit_runs_as_todo_does():
+    import numpy as np
+    import paddle
+
+    from ppdiffusers_tome import apply_tome, remove_tome
+    from ppdiffusers_tome.testing import tiny_unet
+
+    unet = tiny_unet()
+    sample = paddle.to_tensor(np.random.default_rng(0).standard_normal([2, 4, 16, 16]).astype("float32"))
+    text = paddle.to_tensor(np.random.default_rng(1).standard_normal([2, 16, 32]).astype("float32"))
+
+    def forward():
+        with paddle.no_grad():
+            return unet(sample, paddle.to_tensor(500), encoder_hidden_states=text).sample.numpy()
+
+    apply_tome(unet, method="todo", downsample_factor=2)
+    plain = forward()
+    apply_tome(unet, method="todo", downsample_factor=2, ratio=(0.9, 0.1), sx=1, sy=1, recompute_every=[0, 3])
+    ignored = forward()
+    remove_tome(unet)
+    np.testing.assert_array_equal(ignored, plain)  # the unused options change nothing
+    assert np.abs(forward() - plain).max() > 1e-4  # and ToDo did act: vanilla differs
