@@ -7,16 +7,28 @@ transformer block call and applies its ``merge``/``unmerge`` around the block's 
 Everything a forward pass runs stays on the device: the random partition is drawn from an integer hash of
 ``(seed, block, grid, timestep, cell)`` computed with tensor ops (no host RNG, no upload, no read of the timestep),
 index tables are cached per grid and place, and no Python decision depends on a tensor's value or on the batch
-size, so the same code runs eagerly, under ``paddle.jit.to_static`` with a dynamic batch, and in CUDA graphs.
+size. So the same code runs eagerly and under ``paddle.jit.to_static``, also with a dynamic batch.
+
+CUDA graphs: what is known, and what is not. Capturing a forward in a CUDA graph needs no host synchronisation, no
+host-to-device copy and no Python decision on tensor values inside the captured region, and shapes fixed by the
+input shapes. Tests prove these properties of a patched forward on the CPU, with the GPU branch forced
+(:data:`DEVICE_OVERRIDE`): no host<->device transfer (``tests/test_gpu_path.py``), no single-row ``argsort`` (the
+one sort that synchronises on Paddle's GPU build; ``tests/test_merge.py``), export to a static graph with a dynamic
+batch (``tests/test_static_graph.py``), and ``r = int(N * ratio)`` from the token count alone (with a constant
+ratio). What is not known: this code has never been captured in, or run from, a CUDA graph (the project has no
+GPU). Index tables and constants are built and uploaded on the first call at a grid, so a capture would need a
+warm-up call first; a ratio schedule and ``recompute_every`` read the timestep on the host (a sync) and cannot be
+captured.
 
 Layout of a plan (per batch item ``b``; ``N`` tokens in partition order: ``Ns`` src then ``Nd`` dst; ``r`` merged)::
 
     merged row:   0 ........ Ns-r-1 | Ns-r ........ Ns-r+Nd-1
     holds:        unmerged src       | dst (each the mean of itself and the src merged into it)
 
-Two merge kernels compute the same mean: ``"scatter"`` (``index_add``, for the CPU, where it runs in order) and
-``"matmul"`` (a batched matmul with a one-hot weight matrix, for the GPU, where ``index_add`` of floats uses
-atomics and so is not bit-reproducible). :func:`device_kind` picks one from the tensor's place.
+The merge is one ``index_add`` of the weighted rows on both branches. On a CPU it adds in order; on a GPU it adds
+floats with atomics (the last bits may change run to run), unless a plan is built with ``deterministic=True``, which
+sums each group as the difference of two float64 running sums instead. :func:`device_kind` picks the branch (CPU or
+GPU kernels) from the tensor's place.
 """
 
 from __future__ import annotations
@@ -104,9 +116,10 @@ def tracing() -> bool:
 def device_kind(x: Any = None) -> str:
     """``"gpu"`` when ``x`` lives on a GPU (or, while tracing, when the program will run on one), else ``"cpu"``.
 
-    :data:`DEVICE_OVERRIDE` takes precedence. The GPU branch differs in three places: the merge kernel (matmul,
-    no float atomics), the unmerge gather (no float32 round trip for half dtypes) and the sort (at least two rows,
-    so Paddle never takes its synchronising single-row Thrust path).
+    :data:`DEVICE_OVERRIDE` takes precedence. The GPU branch differs in four places: the matching (unit rows and
+    similarity in the tokens' own dtype, fewer kernels), the unmerge gather (no float32 round trip for half dtypes),
+    the sort (at least two rows, so Paddle never takes its synchronising single-row Thrust path) and the
+    ``deterministic`` merge (a scan instead of ``index_add``'s float atomics; a CPU adds in order anyway).
 
     >>> import paddle
     >>> device_kind(paddle.ones([1]))

@@ -345,7 +345,7 @@ def test_downsample_plan_counts_its_keys_and_rejects_bad_input():
 # the device path (issue #10): GPU kernels run on CPU, keyed partition, scale-free matching --------------------------
 @pytest.fixture
 def gpu_kernels(monkeypatch):
-    """Run the GPU branch's logic (matmul merge, padded sort, no unmerge cast) on the CPU."""
+    """Run the GPU branch's logic (matching in the tokens' dtype, padded sort, no unmerge cast) on the CPU."""
     monkeypatch.setattr(merge_module, "DEVICE_OVERRIDE", "gpu")
 
 
@@ -362,6 +362,32 @@ def test_gpu_kernels_match_the_numpy_reference_and_the_cpu_kernels(gpu_kernels, 
     np.testing.assert_allclose(gpu.unmerge(gpu.merge(x)).numpy(), reference_round_trip(x.numpy(), ref), **F32_TOL)
     np.testing.assert_allclose(gpu.merge(x).numpy(), cpu.merge(x).numpy(), **F32_TOL)
     np.testing.assert_array_equal(gpu.merge(x).numpy(), gpu.merge(x).numpy())  # fixed summation order
+
+
+# issue #21 item 7: the README and merge.py cite this test for "no synchronising sort": Paddle's GPU argsort of a
+# single row takes a Thrust path that syncs with the host, so the GPU branch never sorts fewer than two rows
+@pytest.mark.parametrize("plan_kind", ["global", "deterministic", "local"])
+def test_gpu_kernels_never_sort_a_single_row(gpu_kernels, monkeypatch, plan_kind):
+    rows = []
+    original = paddle.argsort
+
+    def argsort(x, axis=-1, *args, **kwargs):
+        rows.append(int(np.prod(x.shape)) // x.shape[axis])  # the rows sorted side by side
+        return original(x, axis, *args, **kwargs)
+
+    monkeypatch.setattr(paddle, "argsort", argsort)
+    metric = paddle.randn([1, 64, 8])  # batch 1: one image without guidance, or a batch-1 ControlNet in guess mode
+    if plan_kind == "local":
+        table = merge_module.window_partition_table(8, 8, 8, 8, 2, 2, merge_module.step_key(500), seed=0, blocks=1)  # one window: one row
+        plan = merge_module.LocalMergePlan.from_matching(metric, (8, 8, 8, 8, 2, 2), table[0], 8)
+    else:
+        plan = bipartite_soft_matching_random2d(metric, 8, 8, 2, 2, 32, generator=0,
+                                                deterministic=plan_kind == "deterministic")
+        plan.merge(paddle.randn([1, 64, 4]))
+    assert plan.kind == "gpu" and rows and min(rows) >= 2, rows
+    rows.clear()
+    bipartite_soft_matching_random2d(metric, 8, 8, 2, 2, 32, generator=0, kind="cpu")
+    assert 1 in rows  # the CPU branch sorts the one row of its matching (so the check above can fail)
 
 
 def test_gpu_kernels_unmerge_half_dtypes_without_a_float32_round_trip(gpu_kernels, monkeypatch):
