@@ -103,15 +103,6 @@ def test_figure_draws_a_real_plan(tmp_path, capsys):
     assert len(np.unique(pixels.reshape(-1, 3), axis=0)) > 20  # tokens, group colours and outlines were drawn
 
 
-def test_figure_reports_the_plan():
-    from ppdiffusers_tome.figure import draw_plan_figure
-
-    _, info = draw_plan_figure(ratio=0.5, grid=12, cell=2)
-    assert info == {"tokens": 144, "dst": 36, "merged": 72, "grid": 12, "ratio": 0.5}
-    _, none = draw_plan_figure(ratio=0.0, grid=12, cell=2)
-    assert none["merged"] == 0
-
-
 # --help, --version and option names ---------------------------------------------------------------------------
 def test_version(capsys):
     import ppdiffusers_tome
