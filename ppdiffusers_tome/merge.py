@@ -768,8 +768,9 @@ def bipartite_soft_matching_random2d(
 
     Args:
         metric: ``[B, N, C]`` tokens whose cosine similarity decides the matching (``N == h * w``). Any float
-            dtype; similarity is computed scale-free in float32; tokens that are all zero or not finite count as
-            zero vectors (similarity 0), never NaN.
+            dtype; similarity is computed scale-free, in float32 on CPU kernels and in the tokens' own dtype on GPU
+            kernels (see :func:`similarity_dtype`); tokens that are all zero or not finite count as zero vectors
+            (similarity 0), never NaN.
         w, h: the token grid, row-major.
         sx, sy: stride of the dst grid: one dst per ``sy x sx`` cell (see :func:`grid_partition`). A cell larger
             than the grid means no dst, and an identity plan at no cost.
