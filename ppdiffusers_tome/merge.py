@@ -11,14 +11,15 @@ size. So the same code runs eagerly and under ``paddle.jit.to_static``, also wit
 
 CUDA graphs: what is known, and what is not. Capturing a forward in a CUDA graph needs no host synchronisation, no
 host-to-device copy and no Python decision on tensor values inside the captured region, and shapes fixed by the
-input shapes. Tests prove these properties of a patched forward on the CPU, with the GPU branch forced
-(:data:`DEVICE_OVERRIDE`): no host<->device transfer (``tests/test_gpu_path.py``), no single-row ``argsort`` (the
-one sort that synchronises on Paddle's GPU build; ``tests/test_merge.py``), export to a static graph with a dynamic
-batch (``tests/test_static_graph.py``), and ``r = int(N * ratio)`` from the token count alone (with a constant
-ratio). What is not known: this code has never been captured in, or run from, a CUDA graph (the project has no
-GPU). Index tables and constants are built and uploaded on the first call at a grid, so a capture would need a
-warm-up call first; a ratio schedule and ``recompute_every`` read the timestep on the host (a sync) and cannot be
-captured.
+input shapes. Tests check these properties on the CPU, running the GPU branch's kernels there
+(:data:`DEVICE_OVERRIDE`): no host<->device transfer in a patched forward (``tests/test_gpu_path.py``, both
+branches) and no single-row ``argsort``, which synchronises on Paddle's GPU build (``tests/test_merge.py``).
+Export to a static graph with a dynamic batch (``tests/test_static_graph.py``, CPU kernels) shows that no Python
+decision depends on tensor values or the batch size, and with a constant ratio ``r = int(N * ratio)`` follows from
+the token count alone. What is not known: this code has never been captured in, or run from, a CUDA graph (the
+project has no GPU). Index tables and constants are built and uploaded on the first call at a grid, so a capture
+would need a warm-up call first; a ratio schedule and ``recompute_every`` read the timestep on the host (a sync)
+and cannot be captured.
 
 Layout of a plan (per batch item ``b``; ``N`` tokens in partition order: ``Ns`` src then ``Nd`` dst; ``r`` merged)::
 

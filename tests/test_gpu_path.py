@@ -51,10 +51,12 @@ def transfers_of(run):
     return transfers, out
 
 
+@pytest.mark.parametrize("kind", ["gpu", "cpu"])  # both branches' kernels (merge.py's docstring cites the GPU one)
 @pytest.mark.parametrize("options", [{}, dict(match_window=8, share_plan="level")], ids=["defaults", "local-shared"])
 @pytest.mark.parametrize("timestep_kind", ["0-d", "[B]"])
 @pytest.mark.parametrize("batch", [1, 2])
-def test_patched_forward_adds_no_host_device_transfer(batch, timestep_kind, options):
+def test_patched_forward_adds_no_host_device_transfer(batch, timestep_kind, options, kind, monkeypatch):
+    monkeypatch.setattr(merge_module, "DEVICE_OVERRIDE", kind)
     unet = tiny_unet()
     run = unet_call(unet, batch, 16, timestep_kind)
     vanilla, vanilla_out = transfers_of(run)
