@@ -74,6 +74,7 @@ def test_demo_loads_a_local_pipeline_folder(tmp_path):
         (["--max-downsample", "3"], "max_downsample must be 'auto' or one of"),
         (["--model", "/nonexistent/folder"], "--model must be a local pipeline folder"),
         (["--dtype", "float16"], "needs a GPU"),
+        (["--dtype", "bfloat16"], 'install paddlepaddle-gpu as in README.md "Installing into your own environment"'),
     ],
 )
 def test_demo_bad_input_is_a_clear_error(tmp_path, capsys, args, message):
