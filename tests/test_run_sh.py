@@ -63,3 +63,13 @@ def test_options_alone_keep_the_whole_suite_and_the_doctests():
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     files = collected_files(done)
     assert "tests/test_cli.py" in files and "ppdiffusers_tome/merge.py" in files  # a test file and a doctest
+
+
+def test_ci_runs_the_whole_suite():
+    """.ci/run passes options only, so run.sh keeps the default selection (every test and doctest)."""
+    lines = [line.split() for line in open(os.path.join(REPO, ".ci", "run"), encoding="utf-8")
+             if line.startswith("bash run.sh test")]
+    assert len(lines) == 1
+    arguments = lines[0][3:]
+    assert all(arg.startswith("-") or previous in ("-p", "-k", "-m") for previous, arg in zip([""] + arguments,
+                                                                                             arguments)), arguments

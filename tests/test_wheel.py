@@ -63,5 +63,6 @@ def test_wheel_installs_into_a_fresh_folder_and_its_command_runs_from_elsewhere(
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=elsewhere, env=env)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "ToMe demo: preset:tiny" in done.stdout
+    assert "No ccache found" not in done.stderr and "building preset tiny" in done.stderr  # the command line's quiet
     assert (elsewhere / "out" / "results.json").is_file() and (elsewhere / "out" / "demo.png").is_file()
     assert sorted(os.listdir(elsewhere)) == ["out"]
