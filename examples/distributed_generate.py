@@ -52,7 +52,8 @@ def launch(nproc, argv):
         env.setdefault("PADDLE_DISTRI_BACKEND", "gloo")  # CPU processes talk over gloo
     env.setdefault("GLOG_minloglevel", "2")  # Paddle's C++ INFO lines (the rendezvous store) off
     with tempfile.TemporaryDirectory(prefix="distributed_generate-") as logs:
-        quiet = ["-W", "ignore:No ccache found:UserWarning", "-W", "ignore:Setuptools is replacing distutils:UserWarning"]
+        quiet = ["-W", "ignore:No ccache found:UserWarning",
+                 "-W", "ignore:Setuptools is replacing distutils:UserWarning"]
         command = [sys.executable, *quiet, "-m", "paddle.distributed.launch", "--log_level", "WARNING", "--log_dir",
                    logs, "--nproc_per_node", str(nproc), os.path.abspath(__file__), *argv]
         status = subprocess.run(command, env=env).returncode

@@ -31,7 +31,9 @@ __all__ = [
 ]
 
 # where a user with half-precision weights on a CPU should go: the README section with the GPU install recipe
-GPU_INSTALL_HINT = 'install paddlepaddle-gpu as in README.md "Installing into your own environment" (README_cn.md: 在 GPU 上安装)'
+GPU_INSTALL_HINT = (
+    'install paddlepaddle-gpu as in README.md "Installing into your own environment" (README_cn.md: 在 GPU 上安装)'
+)
 _warned_half_on_cpu = False  # apply_tome warns about half precision on a CPU once per process
 
 

@@ -104,7 +104,8 @@ def _add_demo_parser(sub: argparse._SubParsersAction) -> None:
     demo.add_argument("--max-downsample", type=_level, default="auto", help="ToMe max_downsample (auto, 1, 2, 4 or 8)")
     demo.add_argument("--steps", type=_positive_int, default=8, help="denoising steps")
     demo.add_argument("--repeats", type=_positive_int, default=3, help="timed runs per method (median reported)")
-    demo.add_argument("--seed", type=int, default=0, help="seed of a preset's random weights and of the initial latents")
+    demo.add_argument("--seed", type=int, default=0,
+                      help="seed of a preset's random weights and of the initial latents")
     demo.add_argument("--prompt", default="a lighthouse on a cliff at sunset, detailed oil painting", help="prompt")
     demo.add_argument("--threads", type=_positive_int, default=None, help="CPU threads for Paddle (default: all)")
     demo.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32",

@@ -66,8 +66,9 @@ def test_both_readmes_have_the_runnable_quick_start():
         offline = "\n".join(code for kind, code, _ in found if kind == "offline")
         weights = "\n".join(code for kind, code, _ in found if kind == "weights")
         assert 'preset_pipeline("tiny")' in offline and 'preset_pipeline("tiny-controlnet")' in offline, readme
-        for name in ("StableDiffusionPipeline.from_pretrained(model_id", "ControlNetModel.from_pretrained(controlnet_id",
-                     "StableDiffusionImg2ImgPipeline", "StableDiffusionXLPipeline.from_pretrained(sdxl_id"):
+        for name in ("StableDiffusionPipeline.from_pretrained(model_id",
+                     "ControlNetModel.from_pretrained(controlnet_id", "StableDiffusionImg2ImgPipeline",
+                     "StableDiffusionXLPipeline.from_pretrained(sdxl_id"):
             assert name in weights, (readme, name)
         assert "/path/to" not in offline + weights, readme
     assert [k for k, _, _ in blocks("README.md")] == [k for k, _, _ in blocks("README_cn.md")]
