@@ -2,13 +2,28 @@
 # Set up a virtual environment with the pinned CPU set (one pip command), then run a command inside it, so that
 # every command works in a fresh shell without activating anything:
 #   bash run.sh demo [demo options]        # the main job: vanilla vs ToMe on the embedded model
-#   bash run.sh test [pytest options]      # the full test suite
+#   bash run.sh test [pytest options]      # the full test suite (tests/ and the package's doctests)
+#   bash run.sh test [options] PATH...     # only those tests, e.g. bash run.sh test -x -q tests/test_api.py
 #   bash run.sh bench [bench options]      # python -m ppdiffusers_tome bench ...
 #   bash run.sh figure [figure options]    # python -m ppdiffusers_tome figure ...
 #   bash run.sh python [args]              # the environment's python, e.g. bash run.sh python examples/controlnet.py
-# PYTHON selects the interpreter (default python3); VENV the environment folder (default .venv).
+#   bash run.sh --version                  # the package's version
+# PYTHON selects the interpreter that creates the environment (default python3); VENV the environment folder
+# (default .venv), e.g. PYTHON=python3.11 VENV=/tmp/tome-env bash run.sh demo
 set -euo pipefail
 cd "$(dirname "$0")"
+usage() {
+  echo "usage: bash run.sh demo|bench|figure [options]   bash run.sh test [pytest options] [PATH...]"
+  echo "       bash run.sh python [args]   bash run.sh --version   bash run.sh --help"
+  echo "test: without PATHs, the whole suite (tests/ and the doctests of ppdiffusers_tome); with PATHs (files,"
+  echo "      folders or node ids, relative to the repository), only those. Options alone keep the whole suite."
+  echo "environment: PYTHON (interpreter that creates the environment; default python3), VENV (its folder; default .venv)"
+}
+case "${1:-}" in
+  demo|bench|figure|test|python|--version) ;;
+  -h|--help) usage; exit 0 ;;
+  *) usage >&2; exit 2 ;;
+esac
 venv="${VENV:-.venv}"
 stamp="$venv/.installed-$(cat requirements.txt constraints.txt setup.py | cksum | cut -d' ' -f1)"
 if [ ! -f "$stamp" ]; then
@@ -36,11 +51,23 @@ if [ ! -f "$stamp" ]; then
   echo "run.sh: $venv ready in $(( $(date +%s) - start )) s" >&2
   touch "$stamp"
 fi
-what="${1:-}"
-[ $# -gt 0 ] && shift
+what="$1"
+shift
 case "$what" in
   demo|bench|figure) exec "$venv/bin/python" -m ppdiffusers_tome "$what" "$@" ;;
-  test) exec "$venv/bin/python" -m pytest tests --doctest-modules ppdiffusers_tome "$@" ;;
+  --version) exec "$venv/bin/python" -m ppdiffusers_tome --version ;;
+  test)
+    # Paths among the arguments replace the default selection; an option's value (-k EXPR, --ignore PATH, ...)
+    # is not a path even if a file of that name exists.
+    selection=(tests --doctest-modules ppdiffusers_tome)
+    previous=""
+    for arg in "$@"; do
+      case "$previous" in
+        -k|-m|-p|-o|-c|-W|--ignore|--ignore-glob|--deselect|--rootdir|--basetemp|--confcutdir|--junitxml) ;;
+        *) case "$arg" in -*) ;; *) if [ -e "${arg%%::*}" ]; then selection=(--doctest-modules); fi ;; esac ;;
+      esac
+      previous="$arg"
+    done
+    exec "$venv/bin/python" -m pytest "${selection[@]}" "$@" ;;
   python) exec "$venv/bin/python" "$@" ;;
-  *) echo "usage: bash run.sh demo|test|bench|figure [options]  or  bash run.sh python [args]" >&2; exit 2 ;;
 esac

@@ -8,9 +8,14 @@
 import argparse
 import logging
 import os
+import warnings
+
+# Paddle prints these at import; they say nothing about this run (set before Paddle is imported)
+warnings.filterwarnings("ignore", "No ccache found|Setuptools is replacing distutils", UserWarning)
 
 from ppdiffusers_tome import bench
 from ppdiffusers_tome.presets import available_presets, load_local_pipeline, preset_pipeline
+from ppdiffusers_tome.quiet import configure_logging
 
 logger = logging.getLogger("benchmark")
 
@@ -26,7 +31,7 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--output", default=os.path.join("outputs", "examples", "benchmark"))
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    configure_logging()  # plain INFO lines (Paddle puts a timestamped handler on the root logger)
 
     pipe = load_local_pipeline(args.model) if args.model else preset_pipeline(args.preset)
     settings = bench.BenchSettings(resolutions=[args.resolution], ratios=args.ratios, steps=args.steps,

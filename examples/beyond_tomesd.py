@@ -10,6 +10,10 @@ import argparse
 import logging
 import os
 import time
+import warnings
+
+# Paddle prints these at import; they say nothing about this run (set before Paddle is imported)
+warnings.filterwarnings("ignore", "No ccache found|Setuptools is replacing distutils", UserWarning)
 
 import numpy as np
 import paddle
@@ -18,6 +22,7 @@ import ppdiffusers_tome
 from ppdiffusers_tome.figure import side_by_side
 from ppdiffusers_tome.measure import psnr
 from ppdiffusers_tome.presets import load_local_pipeline, preset_pipeline
+from ppdiffusers_tome.quiet import configure_logging
 
 logger = logging.getLogger("beyond_tomesd")
 
@@ -39,7 +44,7 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--output", default=os.path.join("outputs", "examples", "beyond_tomesd"))
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    configure_logging()  # plain INFO lines (Paddle puts a timestamped handler on the root logger)
 
     pipe = load_local_pipeline(args.model) if args.model else preset_pipeline("tiny")
     os.makedirs(args.output, exist_ok=True)

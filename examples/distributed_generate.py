@@ -2,16 +2,28 @@
 prompts (rank r takes prompts r, r + world, ...), and rank 0 gathers and saves all images.
 
     # 4 GPUs
-    python -m paddle.distributed.launch --gpus 0,1,2,3 examples/distributed_generate.py --model /path/to/sd-v1-5
-    # 2 CPU processes (Paddle's gloo backend)
-    PADDLE_DISTRI_BACKEND=gloo python -m paddle.distributed.launch --nproc_per_node 2 examples/distributed_generate.py
+    python examples/distributed_generate.py --nproc 4 --model /path/to/stable-diffusion-v1-5
+    # 2 CPU processes (Paddle's gloo backend, chosen when Paddle has no CUDA)
+    python examples/distributed_generate.py --nproc 2
     # one process
     python examples/distributed_generate.py
+
+--nproc N starts Paddle's launcher (python -m paddle.distributed.launch --nproc_per_node N) on this script, quietly:
+its own INFO lines off, its log folder a temporary one (removed afterwards; the workers' logs are printed if a rank
+fails), so nothing is left in the working directory. Rank 0's lines appear as it runs. Calling the launcher yourself
+works too; it then writes its logs to ./log unless given --log_dir.
 """
 
 import argparse
 import logging
 import os
+import subprocess
+import sys
+import tempfile
+import warnings
+
+# Paddle prints these at import; they say nothing about this run (set before Paddle is imported)
+warnings.filterwarnings("ignore", "No ccache found|Setuptools is replacing distutils", UserWarning)
 
 import numpy as np
 import paddle
@@ -19,6 +31,7 @@ import paddle.distributed as dist
 from PIL import Image
 
 from ppdiffusers_tome.presets import load_local_pipeline, preset_pipeline
+from ppdiffusers_tome.quiet import configure_logging
 
 logger = logging.getLogger("distributed_generate")
 
@@ -32,16 +45,45 @@ PROMPTS = [
 ]
 
 
+def launch(nproc, argv):
+    """Run this script on ``nproc`` processes with Paddle's launcher; returns its exit status."""
+    env = dict(os.environ)
+    if not paddle.is_compiled_with_cuda():
+        env.setdefault("PADDLE_DISTRI_BACKEND", "gloo")  # CPU processes talk over gloo
+    env.setdefault("GLOG_minloglevel", "2")  # Paddle's C++ INFO lines (the rendezvous store) off
+    with tempfile.TemporaryDirectory(prefix="distributed_generate-") as logs:
+        quiet = ["-W", "ignore:No ccache found:UserWarning",
+                 "-W", "ignore:Setuptools is replacing distutils:UserWarning"]
+        command = [sys.executable, *quiet, "-m", "paddle.distributed.launch", "--log_level", "WARNING", "--log_dir",
+                   logs, "--nproc_per_node", str(nproc), os.path.abspath(__file__), *argv]
+        status = subprocess.run(command, env=env).returncode
+        if status:
+            for name in sorted(os.listdir(logs)):
+                if name.startswith("workerlog"):
+                    with open(os.path.join(logs, name), encoding="utf-8", errors="replace") as log:
+                        logger.error("%s:\n%s", name, "".join(log.readlines()[-40:]))
+    return status
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nproc", type=int, default=None,
+                        help="start this many processes with Paddle's launcher (GPUs, or CPU processes over gloo)")
     parser.add_argument("--model", help="local pipeline folder; default: the tiny built-in preset")
     parser.add_argument("--prompts", nargs="+", default=PROMPTS)
     parser.add_argument("--resolution", type=int, default=32)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--ratio", type=float, default=0.5)
     parser.add_argument("--output", default=os.path.join("outputs", "examples", "distributed_generate"))
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    configure_logging()  # plain INFO lines (Paddle puts a timestamped handler on the root logger)
+    if args.nproc is not None:
+        if args.nproc < 1:
+            parser.error(f"--nproc must be >= 1, got {args.nproc}")
+        rest = [a for i, a in enumerate(argv) if a != "--nproc" and not a.startswith("--nproc=")
+                and not (i > 0 and argv[i - 1] == "--nproc")]
+        sys.exit(launch(args.nproc, rest))
 
     world = dist.get_world_size()
     if world > 1:
@@ -61,13 +103,15 @@ def main(argv=None):
         gathered = []
         dist.all_gather_object(gathered, mine)
         results = [item for part in gathered for item in part]
+        counts = [len(part) for part in gathered]
     else:
-        results = mine
+        results, counts = mine, [len(mine)]
     if rank == 0:
         os.makedirs(args.output, exist_ok=True)
         for index, pixels in sorted(results, key=lambda item: item[0]):
             Image.fromarray(pixels).save(os.path.join(args.output, f"{index:03d}.png"))
-        logger.info("rank 0 saved %d images to %s", len(results), args.output)
+        logger.info("rank 0 saved %d images to %s (images per rank: %s)", len(results), args.output,
+                    ", ".join(map(str, counts)))
     return results
 
 

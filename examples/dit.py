@@ -10,11 +10,16 @@ and every block runs at that resolution, so every block merges. Saves vanilla_<l
 import argparse
 import logging
 import os
+import warnings
+
+# Paddle prints these at import; they say nothing about this run (set before Paddle is imported)
+warnings.filterwarnings("ignore", "No ccache found|Setuptools is replacing distutils", UserWarning)
 
 import paddle
 
 import ppdiffusers_tome
 from ppdiffusers_tome.presets import load_local_pipeline
+from ppdiffusers_tome.quiet import configure_logging
 from ppdiffusers_tome.testing import tiny_dit_pipeline
 
 logger = logging.getLogger("dit")
@@ -29,7 +34,7 @@ def main(argv=None):
     parser.add_argument("--method", choices=["tome", "todo"], default="tome")
     parser.add_argument("--output", default=os.path.join("outputs", "examples", "dit"))
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    configure_logging()  # plain INFO lines (Paddle puts a timestamped handler on the root logger)
 
     pipe = load_local_pipeline(args.model) if args.model else tiny_dit_pipeline()
     os.makedirs(args.output, exist_ok=True)

@@ -7,6 +7,10 @@ each one off again. Saves the two control images, vanilla.png, tome.png and side
 import argparse
 import logging
 import os
+import warnings
+
+# Paddle prints these at import; they say nothing about this run (set before Paddle is imported)
+warnings.filterwarnings("ignore", "No ccache found|Setuptools is replacing distutils", UserWarning)
 
 import numpy as np
 import paddle
@@ -15,6 +19,7 @@ from PIL import Image
 import ppdiffusers_tome
 from ppdiffusers_tome.figure import side_by_side
 from ppdiffusers_tome.patch import get_patch
+from ppdiffusers_tome.quiet import configure_logging
 from ppdiffusers_tome.testing import tiny_controlnet_pipeline
 
 logger = logging.getLogger("multi_controlnet")
@@ -37,7 +42,7 @@ def main(argv=None):
     parser.add_argument("--ratio", type=float, default=0.5)
     parser.add_argument("--output", default=os.path.join("outputs", "examples", "multi_controlnet"))
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    configure_logging()  # plain INFO lines (Paddle puts a timestamped handler on the root logger)
 
     pipe = tiny_controlnet_pipeline(num_controlnets=2)
     controls = conditions(args.resolution)

@@ -7,6 +7,10 @@
 import argparse
 import logging
 import os
+import warnings
+
+# Paddle prints these at import; they say nothing about this run (set before Paddle is imported)
+warnings.filterwarnings("ignore", "No ccache found|Setuptools is replacing distutils", UserWarning)
 
 import numpy as np
 import paddle
@@ -14,6 +18,7 @@ from PIL import Image
 
 import ppdiffusers_tome
 from ppdiffusers_tome.presets import load_local_pipeline, preset_pipeline
+from ppdiffusers_tome.quiet import configure_logging
 
 logger = logging.getLogger("sd_img2img")
 
@@ -39,7 +44,7 @@ def main(argv=None):
     parser.add_argument("--ratio", type=float, default=0.5)
     parser.add_argument("--output", default=os.path.join("outputs", "examples", "sd_img2img"))
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    configure_logging()  # plain INFO lines (Paddle puts a timestamped handler on the root logger)
 
     import ppdiffusers
 

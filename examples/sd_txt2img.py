@@ -8,11 +8,16 @@ import argparse
 import logging
 import os
 import time
+import warnings
+
+# Paddle prints these at import; they say nothing about this run (set before Paddle is imported)
+warnings.filterwarnings("ignore", "No ccache found|Setuptools is replacing distutils", UserWarning)
 
 import paddle
 
 import ppdiffusers_tome
 from ppdiffusers_tome.presets import load_local_pipeline, preset_pipeline
+from ppdiffusers_tome.quiet import configure_logging
 
 logger = logging.getLogger("sd_txt2img")
 
@@ -28,7 +33,7 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", default=os.path.join("outputs", "examples", "sd_txt2img"))
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    configure_logging()  # plain INFO lines (Paddle puts a timestamped handler on the root logger)
 
     pipe = load_local_pipeline(args.model) if args.model else preset_pipeline(args.preset)
     os.makedirs(args.output, exist_ok=True)

@@ -8,12 +8,17 @@ on its own (tomesd's default of 1 would merge nothing there). Saves vanilla.png,
 import argparse
 import logging
 import os
+import warnings
+
+# Paddle prints these at import; they say nothing about this run (set before Paddle is imported)
+warnings.filterwarnings("ignore", "No ccache found|Setuptools is replacing distutils", UserWarning)
 
 import paddle
 
 import ppdiffusers_tome
 from ppdiffusers_tome.figure import side_by_side
 from ppdiffusers_tome.presets import load_local_pipeline, preset_pipeline
+from ppdiffusers_tome.quiet import configure_logging
 
 logger = logging.getLogger("sdxl")
 
@@ -27,7 +32,7 @@ def main(argv=None):
     parser.add_argument("--ratio", type=float, default=0.5)
     parser.add_argument("--output", default=os.path.join("outputs", "examples", "sdxl"))
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    configure_logging()  # plain INFO lines (Paddle puts a timestamped handler on the root logger)
 
     pipe = load_local_pipeline(args.model) if args.model else preset_pipeline("tiny-sdxl")
     os.makedirs(args.output, exist_ok=True)

@@ -14,17 +14,24 @@ from typing import Any as _Any, Optional as _Optional, Sequence as _Sequence
 __version__ = "0.4.0"
 
 
+def _cli_args(argv: _Optional[_Sequence[str]] = None, orig_argv: _Optional[_Sequence[str]] = None):
+    """The arguments of the command line when this process is it (``ppdiffusers-tome ...`` or
+    ``python -m ppdiffusers_tome ...``), else ``None``."""
+    argv = list(_sys.argv if argv is None else argv)
+    orig = list(getattr(_sys, "orig_argv", []) if orig_argv is None else orig_argv)
+    if argv and _os.path.basename(argv[0]) == "ppdiffusers-tome":
+        return argv[1:]
+    if "-m" in orig and orig[orig.index("-m") + 1 : orig.index("-m") + 2] == ["ppdiffusers_tome"]:
+        return orig[orig.index("-m") + 2 :]
+    return None
+
+
 def _cli_help_only(argv: _Optional[_Sequence[str]] = None, orig_argv: _Optional[_Sequence[str]] = None) -> bool:
     """Whether this process is the command line (``ppdiffusers-tome`` or ``python -m ppdiffusers_tome``) asked only
     for ``--help`` or ``--version``, or given no arguments. Printing those needs neither Paddle nor ppdiffusers,
     whose import takes seconds, so the package then skips it; every name below still imports on first use."""
-    argv = list(_sys.argv if argv is None else argv)
-    orig = list(getattr(_sys, "orig_argv", []) if orig_argv is None else orig_argv)
-    if argv and _os.path.basename(argv[0]) == "ppdiffusers-tome":
-        args = argv[1:]
-    elif "-m" in orig and orig[orig.index("-m") + 1 : orig.index("-m") + 2] == ["ppdiffusers_tome"]:
-        args = orig[orig.index("-m") + 2 :]
-    else:
+    args = _cli_args(argv, orig_argv)
+    if args is None:
         return False
     return not args or any(arg in ("-h", "--help", "--version") for arg in args)
 
@@ -42,6 +49,11 @@ def __getattr__(name: str) -> _Any:  # only reached when _cli_help_only() skippe
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     return getattr(_importlib.import_module(f".{_LAZY[name]}", __name__), name)
 
+
+if _cli_args() is not None:  # the command line, not a library import: Paddle's import warnings are not news
+    from .quiet import ignore_import_warnings as _ignore_import_warnings
+
+    _ignore_import_warnings()
 
 if not _cli_help_only():
     from .api import (

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import inspect
 import logging
+import sys
+import warnings
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import paddle
@@ -27,6 +29,44 @@ __all__ = [
     "install_methods",
     "uninstall_methods",
 ]
+
+# where a user with half-precision weights on a CPU should go: the README section with the GPU install recipe
+GPU_INSTALL_HINT = (
+    'install paddlepaddle-gpu as in README.md "Installing into your own environment" (README_cn.md: 在 GPU 上安装)'
+)
+_warned_half_on_cpu = False  # apply_tome warns about half precision on a CPU once per process
+
+
+def _caller_stacklevel() -> int:
+    """The ``stacklevel`` for ``warnings.warn`` called from the caller of this function that points at the first
+    frame outside this package (the user's ``pipe.apply_tome(...)`` line, through however many of our frames)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("ppdiffusers_tome"):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _warn_if_half_on_cpu(targets: List[Tuple[str, paddle.nn.Layer]]) -> None:
+    """Warn (once per process) when a model about to get ToMe holds float16/bfloat16 weights on a CPU: Paddle's CPU
+    build has no half-precision kernels, so its first call would die deep inside Paddle."""
+    global _warned_half_on_cpu
+    if _warned_half_on_cpu:
+        return
+    for name, model in targets:
+        param = next(iter(model.parameters()), None)
+        dtype = str(getattr(param, "dtype", "")).replace("paddle.", "")
+        if dtype in ("float16", "bfloat16") and param.place.is_cpu_place():
+            _warned_half_on_cpu = True
+            warnings.warn(
+                f"{name} holds {dtype} weights on the CPU: Paddle's CPU build has no {dtype} kernels (matmul, "
+                f"softmax, conv2d, ...), so its first call will fail with \"(NotFound) The kernel with key (CPU, ..., "
+                f'{dtype}) ... is not registered". On a CPU, load the model in float32 (leave out paddle_dtype); for '
+                f"half precision, {GPU_INSTALL_HINT} and run on the GPU.",
+                UserWarning,
+                stacklevel=_caller_stacklevel(),
+            )
+            return
+
 
 # components of a pipeline that never get ToMe, whatever they contain
 _SKIPPED_COMPONENTS = ("vae", "vqvae", "text_encoder", "tokenizer", "safety_checker", "feature_extractor", "image_encoder")
@@ -213,6 +253,7 @@ def apply_tome(
     settings = {name: value for name, value in locals().items() if name != "obj"}  # the parameters, nothing else yet
     config = ToMeConfig(**settings)  # (the explicit signature above is what help() and IDEs show)
     targets = _targets(obj, for_apply=True)
+    _warn_if_half_on_cpu(targets)
     _install_everywhere(targets, config, _train_timesteps(obj))
     for name, model in targets:
         if remove_builtin_tome(model):

@@ -14,13 +14,13 @@ one resolution of the same engine.
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 from typing import Optional, Sequence
 
 from . import __version__
 from .presets import DEFAULT_PRESET, available_presets, default_resolution, preset_summary
+from .quiet import configure_logging, ignore_import_warnings
 
 # bench.ALL_METHODS, repeated here so that ``--help`` does not import bench (and Paddle); a test keeps them equal
 BENCH_METHODS = ("vanilla", "tome", "tome-efficient", "todo", "todo-efficient", "builtin", "bound")
@@ -79,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_demo_parser(sub)
     _add_bench_parser(sub)
     _add_figure_parser(sub)
+    for command in sub.choices.values():  # ``ppdiffusers-tome demo --version`` answers too
+        command.add_argument("--version", action="version", version=f"ppdiffusers-tome {__version__}",
+                             help="print the version and exit")
     return parser
 
 
@@ -101,7 +104,8 @@ def _add_demo_parser(sub: argparse._SubParsersAction) -> None:
     demo.add_argument("--max-downsample", type=_level, default="auto", help="ToMe max_downsample (auto, 1, 2, 4 or 8)")
     demo.add_argument("--steps", type=_positive_int, default=8, help="denoising steps")
     demo.add_argument("--repeats", type=_positive_int, default=3, help="timed runs per method (median reported)")
-    demo.add_argument("--seed", type=int, default=0, help="seed of the initial latents")
+    demo.add_argument("--seed", type=int, default=0,
+                      help="seed of a preset's random weights and of the initial latents")
     demo.add_argument("--prompt", default="a lighthouse on a cliff at sunset, detailed oil painting", help="prompt")
     demo.add_argument("--threads", type=_positive_int, default=None, help="CPU threads for Paddle (default: all)")
     demo.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32",
@@ -120,9 +124,10 @@ def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
     bench.add_argument("--resolutions", type=_resolution, nargs="+", default=None,
                        help="image sizes in pixels (default: the preset's, listed below)")
     bench.add_argument("--batch-sizes", type=_positive_int, nargs="+", default=[1], help="images per call")
-    bench.add_argument("--ratios", type=float, nargs="+", default=[0.5])
-    bench.add_argument("--methods", nargs="+", choices=BENCH_METHODS,
-                       default=["vanilla", "tome", "tome-efficient", "bound"])
+    bench.add_argument("--ratios", type=float, nargs="+", default=[0.5], help="ToMe ratios, each in [0, 1)")
+    bench.add_argument("--methods", nargs="+", choices=BENCH_METHODS, metavar="METHOD",
+                       default=["vanilla", "tome", "tome-efficient", "bound"],
+                       help=f"methods to measure, of: {', '.join(BENCH_METHODS)}")
     bench.add_argument("--variants", nargs="+", default=[], metavar="METHOD:OPTION=VALUE,...",
                        help="extra configurations, e.g. tome:recompute_every=5 'tome:ratio=(0.6,0.3)' "
                             "todo:downsample_factor=4,downsample_mode=average")
@@ -139,8 +144,9 @@ def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
     bench.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
                        help="default: float16 with --device gpu, float32 on CPU")
     bench.add_argument("--threads", type=_positive_int, default=None, help="CPU threads for Paddle (default: all)")
-    bench.add_argument("--seed", type=int, default=0)
-    bench.add_argument("--no-plots", action="store_true")
+    bench.add_argument("--seed", type=int, default=0,
+                       help="seed of a preset's random weights and of the initial latents")
+    bench.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     bench.add_argument("--no-time-split", action="store_true", help="skip the attention/matching/rest split")
     bench.add_argument("--no-op-count", action="store_true",
                        help="skip the ops/block column (one extra profiled denoiser forward per cell and method)")
@@ -148,20 +154,23 @@ def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_figure_parser(sub: argparse._SubParsersAction) -> None:
-    figure = sub.add_parser("figure", help="draw the README figure: one ToMe plan on a token grid")
-    figure.add_argument("--ratio", type=float, default=0.5)
+    figure = sub.add_parser("figure", help="draw the README figure: one ToMe plan on a token grid",
+                            formatter_class=_HelpFormatter)
+    figure.add_argument("--ratio", type=float, default=0.5, help="ToMe ratio of the plan, in [0, 1)")
     figure.add_argument("--grid", type=_positive_int, default=24, help="tokens per side")
-    figure.add_argument("--seed", type=int, default=0)
-    figure.add_argument("--output", default=os.path.join("outputs", "tome_plan.png"))
+    figure.add_argument("--seed", type=int, default=0, help="seed of the random dst per cell and of the colours")
+    figure.add_argument("--output", default=os.path.join("outputs", "tome_plan.png"), help="the PNG to write")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the command line ``argv`` (default ``sys.argv[1:]``); returns the exit status (2 on bad input)."""
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    ignore_import_warnings()  # (the package's __init__ did it already when this process is the command line)
     args = build_parser().parse_args(argv)
     # The one import inside a function, on purpose: the commands import Paddle and ppdiffusers (seconds), which
     # ``--help`` and ``--version`` (answered by the parser above) must not wait for; tests/test_cli.py checks it.
     from .bench import commands
+
+    configure_logging()  # after Paddle's import, which puts a timestamped handler on the root logger
 
     run = {"demo": commands.run_demo, "bench": commands.run_bench, "figure": commands.run_figure}[args.command]
     try:

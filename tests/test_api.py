@@ -295,3 +295,49 @@ def test_tome_status_tells_ours_from_the_builtin_port_with_settings():
     builtin_apply(unet, ratio=0.2)  # the port calls model.remove_tome() first, which is ours: only the port is left
     status = ppdiffusers_tome.tome_status(unet)["UNet2DConditionModel"]
     assert status["active"] == "builtin" and status["settings"]["ratio"] == 0.2 and get_patch(unet) is None
+
+
+# half precision on a CPU: a warning at apply_tome, with the reason and where to go ------------------------------
+def test_apply_tome_on_half_weights_on_a_cpu_warns_once_with_the_recipe(monkeypatch):
+    import warnings
+
+    from ppdiffusers_tome.presets import preset_pipeline
+
+    monkeypatch.setattr(api, "_warned_half_on_cpu", False)
+    pipe = preset_pipeline("tiny", dtype="float16")
+    with pytest.warns(UserWarning) as record:
+        pipe.apply_tome(ratio=0.5)
+    (warning,) = [w for w in record if "float16" in str(w.message)]
+    text = str(warning.message)
+    assert "unet holds float16 weights on the CPU" in text and "is not registered" in text
+    assert "Installing into your own environment" in text and "float32" in text
+    assert warning.filename == __file__  # points at the caller's line, not at this package
+    assert api.tome_config(pipe).ratio == 0.5  # a warning, not a refusal (a GPU-branch test may do this on purpose)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pipe.apply_tome(ratio=0.3)  # once per process
+        api.apply_tome(pipe.unet, ratio=0.3)
+
+
+def test_apply_tome_in_float32_on_a_cpu_does_not_warn(monkeypatch):
+    import warnings
+
+    from ppdiffusers_tome.presets import preset_pipeline
+
+    monkeypatch.setattr(api, "_warned_half_on_cpu", False)
+    pipe = preset_pipeline("tiny")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pipe.apply_tome(ratio=0.5)
+    assert api._warned_half_on_cpu is False
+
+
+def test_the_install_recipe_named_in_half_precision_messages_exists_in_both_readmes():
+    from ppdiffusers_tome.api import GPU_INSTALL_HINT
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    readme = open(os.path.join(root, "README.md"), encoding="utf-8").read()
+    readme_cn = open(os.path.join(root, "README_cn.md"), encoding="utf-8").read()
+    assert '"Installing into your own environment"' in GPU_INSTALL_HINT and "在 GPU 上安装" in GPU_INSTALL_HINT
+    assert "\n### Installing into your own environment\n" in readme and "paddlepaddle-gpu" in readme
+    assert "\n### 在 GPU 上安装\n" in readme_cn

@@ -1,6 +1,8 @@
 """The command line (ppdiffusers_tome/cli.py): the demo end to end on the tiny preset and on a local folder."""
 
+import argparse
 import json
+import os
 
 import numpy as np
 import pytest
@@ -9,6 +11,9 @@ from PIL import Image
 from ppdiffusers_tome.cli import main
 from ppdiffusers_tome.presets import available_presets, default_resolution, load_preset, preset_pipeline
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# subprocesses import this checkout's package, whatever the environment's editable install points at
+REPO_ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, *filter(None, [os.environ.get("PYTHONPATH")])]))
 TINY = ["--preset", "tiny", "--resolution", "32", "--steps", "2", "--threads", "1"]
 
 
@@ -69,6 +74,7 @@ def test_demo_loads_a_local_pipeline_folder(tmp_path):
         (["--max-downsample", "3"], "max_downsample must be 'auto' or one of"),
         (["--model", "/nonexistent/folder"], "--model must be a local pipeline folder"),
         (["--dtype", "float16"], "needs a GPU"),
+        (["--dtype", "bfloat16"], 'install paddlepaddle-gpu as in README.md "Installing into your own environment"'),
     ],
 )
 def test_demo_bad_input_is_a_clear_error(tmp_path, capsys, args, message):
@@ -237,3 +243,68 @@ def test_noise_warning_names_the_spread_and_when_a_speedup_means_nothing():
     busy_but_clear = [steady[0], {"method": "tome", "ratio": 0.5, "runs_seconds": [0.5, 0.9, 0.6]}]
     text = noise_warning(busy_but_clear)
     assert "ToMe 0.50 0.50-0.90 s" in text and "not meaningful" not in text
+
+
+# --version on every command, defaults in every --help -----------------------------------------------------------
+@pytest.mark.parametrize("command", ["demo", "bench", "figure"])
+def test_every_command_answers_version(command, capsys):
+    import ppdiffusers_tome
+
+    with pytest.raises(SystemExit) as done:
+        main([command, "--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.strip() == f"ppdiffusers-tome {ppdiffusers_tome.__version__}"
+
+
+@pytest.mark.parametrize("command", ["demo", "bench", "figure"])
+def test_every_option_with_a_default_shows_it_in_help(command, capsys):
+    """Each option that has a default says it in --help: argparse prints nothing at all for an option without a
+    help text, so every option needs one, and the formatter appends the default unless the help gives it."""
+    from ppdiffusers_tome.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command").choices[command]
+    formatter = sub._get_formatter()
+    for action in sub._actions:
+        if not action.option_strings or action.default in (None, False, [], argparse.SUPPRESS):
+            continue
+        assert action.help, f"{command} {action.option_strings[0]} has no help text"
+        assert "default" in formatter._get_help_string(action), f"{command} {action.option_strings[0]}"
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    if command == "figure":
+        assert "(default: 0.5)" in out and "(default: 24)" in out and "(default: outputs/tome_plan.png)" in out
+    if command == "bench":
+        assert "(default: vanilla tome tome-efficient bound)" in out and "(default: 0.5)" in out
+
+
+# the command line's own output: no third-party noise -------------------------------------------------------------
+def test_command_line_output_has_no_third_party_noise(tmp_path):
+    """Paddle's import warnings (ccache, distutils) and its timestamped root-logger format stay out of a real run;
+    our progress lines are still there, as plain text."""
+    import re
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "ppdiffusers_tome", "demo", *TINY, "--steps", "1", "--ratios", "0.5",
+               "--repeats", "1", "--output", str(tmp_path)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=REPO_ENV)
+    assert done.returncode == 0, done.stderr[-2000:]
+    for noise in ("No ccache found", "Setuptools is replacing distutils", "UserWarning", "[    INFO]"):
+        assert noise not in done.stderr, noise
+    assert not re.search(r"\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d", done.stderr)  # no timestamp prefixes
+    assert "building preset tiny with random weights" in done.stderr.splitlines()[0]
+
+
+def test_library_import_leaves_warnings_and_logging_alone():
+    """Only the command line quiets Paddle's import warnings: a plain ``import ppdiffusers_tome`` keeps them (the
+    application decides), so the filters are not installed by the package import."""
+    import subprocess
+    import sys
+
+    code = ("import warnings, ppdiffusers_tome\n"
+            "print(any('ccache' in str(f[1] and f[1].pattern) for f in warnings.filters))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=REPO_ENV)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "False"

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Sequence, Tuple
 
 from .. import presets
+from ..api import GPU_INSTALL_HINT
 from ..config import ToMeConfig
 from ..figure import draw_plan_figure
 from ..measure import environment, on_gpu, set_threads
@@ -37,7 +38,8 @@ logger = logging.getLogger(__name__)
 def check_dtype(dtype: str) -> None:
     """Refuse half precision without a GPU (Paddle's CPU build has no half-precision matmul)."""
     if dtype != "float32" and not on_gpu():
-        raise ValueError(f"--dtype {dtype} needs a GPU: Paddle's CPU build has no half-precision matmul")
+        raise ValueError(f"--dtype {dtype} needs a GPU: Paddle's CPU build has no half-precision matmul. On a CPU, "
+                         f"leave --dtype at float32 (the default); for half precision, {GPU_INSTALL_HINT}")
 
 
 def model_layout(args: argparse.Namespace) -> Tuple[Any, int, str]:

@@ -1,0 +1,75 @@
+"""run.sh's own argument handling: usage, --version, and which tests ``bash run.sh test ...`` selects."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VENV = os.path.dirname(os.path.dirname(sys.executable))  # the environment running these tests
+
+
+def run_sh(*args, timeout=300):
+    env = dict(os.environ, VENV=VENV)
+    return subprocess.run(["bash", os.path.join(REPO, "run.sh"), *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=REPO)
+
+
+def venv_ready():
+    """Whether run.sh would use this environment as it is (its install stamp is there) instead of installing."""
+    digest = subprocess.run("cat requirements.txt constraints.txt setup.py | cksum", shell=True, cwd=REPO,
+                            capture_output=True, text=True).stdout.split()[0]
+    return os.path.isfile(os.path.join(VENV, f".installed-{digest}"))
+
+
+needs_venv = pytest.mark.skipif(not venv_ready(), reason="run.sh would set up an environment first")
+
+
+def test_help_and_unknown_commands_print_usage_without_setting_up():
+    done = run_sh("--help", timeout=30)
+    assert done.returncode == 0 and "bash run.sh test [pytest options] [PATH...]" in done.stdout
+    assert "PYTHON" in done.stdout and "VENV" in done.stdout
+    done = run_sh("frobnicate", timeout=30)
+    assert done.returncode == 2 and "usage: bash run.sh" in done.stderr and "setting up" not in done.stderr
+
+
+@needs_venv
+def test_version_prints_the_package_version():
+    import ppdiffusers_tome
+
+    done = run_sh("--version", timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == f"ppdiffusers-tome {ppdiffusers_tome.__version__}"
+
+
+def collected_files(done):
+    return {line.split("::")[0] for line in done.stdout.splitlines() if "::" in line}
+
+
+@needs_venv
+def test_a_path_replaces_the_default_selection():
+    """``bash run.sh test -q tests/test_config.py`` runs that file only (it used to add the whole suite)."""
+    done = run_sh("test", "--collect-only", "-q", "-p", "no:cacheprovider", "tests/test_config.py")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert collected_files(done) == {"tests/test_config.py"}
+
+
+@needs_venv
+def test_options_alone_keep_the_whole_suite_and_the_doctests():
+    """Options without a path (here -p and -k with their values) keep the default selection, tests/ and the
+    package's doctests, which -k then filters."""
+    done = run_sh("test", "--collect-only", "-q", "-p", "no:cacheprovider", "-k", "test_presets_are_listed or merge")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    files = collected_files(done)
+    assert "tests/test_cli.py" in files and "ppdiffusers_tome/merge.py" in files  # a test file and a doctest
+
+
+def test_ci_runs_the_whole_suite():
+    """.ci/run passes options only, so run.sh keeps the default selection (every test and doctest)."""
+    lines = [line.split() for line in open(os.path.join(REPO, ".ci", "run"), encoding="utf-8")
+             if line.startswith("bash run.sh test")]
+    assert len(lines) == 1
+    arguments = lines[0][3:]
+    assert all(arg.startswith("-") or previous in ("-p", "-k", "-m") for previous, arg in zip([""] + arguments,
+                                                                                             arguments)), arguments
