@@ -295,3 +295,27 @@ def test_tome_status_tells_ours_from_the_builtin_port_with_settings():
     builtin_apply(unet, ratio=0.2)  # the port calls model.remove_tome() first, which is ours: only the port is left
     status = ppdiffusers_tome.tome_status(unet)["UNet2DConditionModel"]
     assert status["active"] == "builtin" and status["settings"]["ratio"] == 0.2 and get_patch(unet) is None
+
+
+def test_tome_status_returns_the_users_schedule_even_when_it_cannot_be_copied():  # issue 18, item 7
+    import threading
+
+    class LockedSchedule:
+        """A valid ratio schedule holding a lock (copy.deepcopy and pickle refuse it)."""
+
+        def __init__(self):
+            self.lock = threading.Lock()
+
+        def __call__(self, progress):
+            with self.lock:
+                return 0.6 - 0.3 * progress
+
+    def plain(progress):
+        return 0.5
+
+    for schedule in (LockedSchedule(), plain):
+        unet = ppdiffusers_tome.apply_tome(tiny_unet(), ratio=schedule)
+        settings = ppdiffusers_tome.tome_status(unet)["UNet2DConditionModel"]["settings"]
+        assert settings["ratio"] is schedule  # the user's own object, not a copy
+        assert settings == dict(ppdiffusers_tome.tome_config(unet).__dict__)
+        unet_output(unet)  # and the schedule works
