@@ -158,13 +158,8 @@ class StepHistory:
 class _PerThread(threading.local):
     def __init__(self) -> None:
         self.stack: List[CallRecord] = []  # the calls in flight in this thread, outermost first (nested calls)
-        self.last = CallRecord()  # the latest call that ended (its report: merged blocks, finest level)
+        self.call = CallRecord()  # the innermost call in flight, or the latest one that ended (for its report)
         self.history = StepHistory()
-
-    @property
-    def call(self) -> CallRecord:
-        """The innermost call in flight, or the latest one that ended."""
-        return self.stack[-1] if self.stack else self.last
 
 
 class ToMeState:
@@ -288,6 +283,7 @@ class ToMeState:
         call.timestep = timestep
         call.frame = frame
         self._threads.stack.append(call)
+        self._threads.call = call
         with self._lock:
             self.in_flight.setdefault(threading.get_ident(), []).append(frame)
 
@@ -322,7 +318,7 @@ class ToMeState:
         call.partitions.clear()
         call.latent_hw = None
         call.timestep, call.step_key, call.timestep_key = None, None, None
-        threads.last = call
+        threads.call = threads.stack[-1] if threads.stack else call  # (an ended call stays for its report)
         ident = threading.get_ident()
         with self._lock:
             frames = self.in_flight.get(ident)
@@ -344,12 +340,16 @@ class ToMeState:
         """Drop every in-flight count (when the patch is removed: what is left belongs to calls that never ended)."""
         with self._lock:
             self.in_flight.clear()
-        self._threads.stack.clear()
+        threads = self._threads
+        while threads.stack:
+            self._pop(completed=False)
 
     def busy_here(self, layer: Any = None) -> int:
         """How many calls of this model are running in this thread right now (more than 0 inside its own forward).
         With ``layer`` (the model), calls left by an interrupt are ended first and not counted."""
-        if self._threads.stack and layer is not None and _CALL_CODE is not None and not tracing():
+        if _CALL_CODE is None:  # a Paddle that runs hooks elsewhere: calls cannot be told apart, none is counted
+            return 0
+        if self._threads.stack and layer is not None and not tracing():
             self._drop_ended(layer)
         return len(self._threads.stack)
 
