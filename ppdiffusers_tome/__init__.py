@@ -40,7 +40,7 @@ _LAZY = {
     "apply_tome": "api", "install_methods": "api", "remove_tome": "api", "reset_tome": "api", "tome_config": "api",
     "tome_status": "api", "tome_stats": "api", "uninstall_methods": "api", "ToMeConfig": "config",
     "DownsamplePlan": "merge", "MergePlan": "merge", "bipartite_soft_matching_random2d": "merge",
-    "downsample_tokens": "merge",
+    "cache_info": "merge", "clear_cache": "merge", "downsample_tokens": "merge",
 }
 
 
@@ -67,7 +67,14 @@ if not _cli_help_only():
         uninstall_methods,
     )
     from .config import ToMeConfig
-    from .merge import DownsamplePlan, MergePlan, bipartite_soft_matching_random2d, downsample_tokens
+    from .merge import (
+        DownsamplePlan,
+        MergePlan,
+        bipartite_soft_matching_random2d,
+        cache_info,
+        clear_cache,
+        downsample_tokens,
+    )
 
     install_methods()
 
@@ -83,6 +90,8 @@ __all__ = [
     "tome_status",
     "tome_stats",
     "bipartite_soft_matching_random2d",
+    "clear_cache",
+    "cache_info",
     "install_methods",
     "uninstall_methods",
 ]

@@ -13,7 +13,7 @@ import paddle
 from ppdiffusers import DiffusionPipeline, ModelMixin
 
 from .config import RatioSpec, ToMeConfig
-from .patch import ModelPatch, find_blocks, get_patch
+from .patch import PATCH_LOCK, ModelPatch, find_blocks, get_patch
 
 logger = logging.getLogger(__name__)
 
@@ -254,10 +254,11 @@ def apply_tome(
     config = ToMeConfig(**settings)  # (the explicit signature above is what help() and IDEs show)
     targets = _targets(obj, for_apply=True)
     _warn_if_half_on_cpu(targets)
-    _install_everywhere(targets, config, _train_timesteps(obj))
-    for name, model in targets:
-        if remove_builtin_tome(model):
-            logger.debug("removed ppdiffusers' built-in ToMe patch from %s", name)
+    with PATCH_LOCK:  # atomic: threads applying and removing at once leave one patch per model, or none
+        _install_everywhere(targets, config, _train_timesteps(obj))
+        for name, model in targets:
+            if remove_builtin_tome(model):
+                logger.debug("removed ppdiffusers' built-in ToMe patch from %s", name)
     return obj
 
 
@@ -311,9 +312,10 @@ def remove_tome(obj: Any) -> Any:
         True
     """
     targets = _targets(obj, for_apply=False)
-    _refuse_if_busy(targets)
-    for _, model in targets:
-        _unpatch(model)
+    with PATCH_LOCK:  # atomic with respect to apply_tome/remove_tome in other threads
+        _refuse_if_busy(targets)
+        for _, model in targets:
+            _unpatch(model)
     return obj
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -338,4 +338,11 @@ class ToMeConfig:
         return tokens_to_merge(num_tokens, self.ratio_at(progress))
 
     def to_dict(self) -> Dict[str, Any]:
-        return asdict(self)
+        """The settings as a dict of field name to value. The values are the config's own objects, not copies: a
+        ratio schedule (a callable) comes back as the very object given to ``apply_tome``, which may hold anything
+        (a lock, a model) that cannot be copied.
+
+        >>> ToMeConfig(ratio=0.4).to_dict()["ratio"]
+        0.4
+        """
+        return {field.name: getattr(self, field.name) for field in fields(self)}

@@ -14,9 +14,14 @@ The token grid of a block comes from the latent size for UNets and ControlNets (
 downsampling ``d``) and from the patch embedding for transformer-only models (``H/p x W/p`` for DiT and PixArt-alpha
 ``Transformer2DModel`` with patch size ``p``, whose blocks all count as level 1).
 
-What one model remembers between calls lives in :class:`~ppdiffusers_tome.state.ToMeState`. Removing the patch
-removes exactly those hooks and the one attribute it set, so the model's objects, parameters and state dict are
-those of the untouched model.
+What one model remembers between calls lives in :class:`~ppdiffusers_tome.state.ToMeState`. The patch sets no
+attribute on the model and removing it removes exactly those hooks, so the model's objects, parameters and state
+dict are those of the untouched model.
+
+Installing and removing hold :data:`PATCH_LOCK` (one re-entrant lock for the process: both take milliseconds), so
+threads applying and removing ToMe on one model at once leave it with exactly one patch or none. The patch of a model
+is found through the model's own pre-hook table, which ``copy.copy`` shares between a model and its shallow copies
+(as it shares their sub-layers): every name of the model sees the patch whose hooks are actually installed.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from __future__ import annotations
 import inspect
 import logging
 import math
+import threading
 import warnings
 from typing import Any, List, Optional, Tuple
 
@@ -31,7 +37,7 @@ import paddle
 from ppdiffusers.models.attention import BasicTransformerBlock
 
 from .config import ToMeConfig, check_ratio, ratio_at, tokens_to_merge
-from .hooks import TENSOR_TYPES, BlockHooks, HookRecord, SublayerHooks
+from .hooks import TENSOR_TYPES, BlockHooks, HookCall, HookRecord, SublayerHooks
 from .merge import (
     DownsamplePlan,
     LocalMergePlan,
@@ -44,10 +50,13 @@ from .state import ToMeState, ToMeStaticGraphError
 
 logger = logging.getLogger(__name__)
 
-PATCH_ATTR = "_ppdiffusers_tome_patch"
+PATCH_ATTR = "_ppdiffusers_tome_patch"  # (set by versions up to 0.4.0; removed with the patch when found)
 BLOCK_TYPES: Tuple[type, ...] = (BasicTransformerBlock,)
+PATCH_LOCK = threading.RLock()  # held across every check, install and removal of a patch, on any model
 
-__all__ = ["ModelPatch", "ToMeState", "ToMeStaticGraphError", "PATCH_ATTR", "find_blocks", "get_patch"]
+__all__ = [
+    "ModelPatch", "ToMeState", "ToMeStaticGraphError", "PATCH_ATTR", "PATCH_LOCK", "find_blocks", "get_patch",
+]
 
 
 def find_blocks(model: paddle.nn.Layer) -> List[Tuple[str, paddle.nn.Layer]]:
@@ -56,8 +65,15 @@ def find_blocks(model: paddle.nn.Layer) -> List[Tuple[str, paddle.nn.Layer]]:
 
 
 def get_patch(model: Any) -> Optional["ModelPatch"]:
-    """The :class:`ModelPatch` installed on ``model`` by this package, or ``None``."""
-    return getattr(model, "__dict__", {}).get(PATCH_ATTR)
+    """The :class:`ModelPatch` installed on ``model`` by this package, or ``None``: the owner of the ToMe pre-hook
+    in the model's hook table (so a shallow copy, which shares that table, has the same patch as its original)."""
+    table = getattr(model, "__dict__", {}).get("_forward_pre_hooks")
+    if not table:
+        return None
+    for hook in list(table.values()):  # (a copy in one step: another thread may be registering hooks)
+        if isinstance(hook, HookCall) and hook.method == "_before_model" and isinstance(hook.owner, ModelPatch):
+            return hook.owner
+    return None
 
 
 def _positional_index(model: Any, name: str, default: int) -> int:
@@ -92,6 +108,7 @@ class ModelPatch:
         self.state = ToMeState(config, train_timesteps, num_blocks=num_blocks)
         self.blocks: List[BlockHooks] = []
         self._hooks: List[HookRecord] = []
+        self.installed = False  # True from install to remove
         self.auto_level = config.max_downsample == "auto"
         self.todo = config.method == "todo"
         self.fixed_ratio = None if config.is_scheduled else config.ratio
@@ -104,19 +121,22 @@ class ModelPatch:
 
     @classmethod
     def install(cls, model: paddle.nn.Layer, config: ToMeConfig, train_timesteps: int = 1000) -> "ModelPatch":
+        """Patch ``model`` with ``config``, replacing this package's earlier patch on it. Raises ``RuntimeError``
+        (and changes nothing) while a forward of the model is running (see :meth:`check_idle`)."""
         blocks = find_blocks(model)
         if not blocks:
             raise ValueError(f"{type(model).__name__} has no transformer blocks (BasicTransformerBlock) to patch")
-        previous = get_patch(model)
-        if previous is not None:  # never leave a patch's hooks behind unreachable
-            previous.remove()
-        patch = cls(model, config, train_timesteps, num_blocks=len(blocks))
-        try:
-            patch._register(blocks)
-        except BaseException:
-            patch._remove_hooks()
-            raise
-        model.__dict__[PATCH_ATTR] = patch
+        with PATCH_LOCK:
+            previous = get_patch(model)
+            if previous is not None:  # never leave a patch's hooks behind unreachable
+                previous.remove()
+            patch = cls(model, config, train_timesteps, num_blocks=len(blocks))
+            try:
+                patch._register(blocks)
+            except BaseException:
+                patch._remove_hooks()
+                raise
+            patch.installed = True
         return patch
 
     def _register(self, blocks) -> None:
@@ -146,32 +166,50 @@ class ModelPatch:
             self._hooks.pop().remove()
 
     def check_idle(self) -> None:
-        """Raise ``RuntimeError`` if another thread is running this model: taking hooks off (or swapping them)
-        half-way through its forward would leave merged tokens that are never unmerged."""
-        busy = self.state.busy_elsewhere()
+        """Raise ``RuntimeError`` if a forward of this model is running, in another thread or in this one (from
+        inside the forward itself): taking hooks off (or swapping them) half-way through a forward would leave
+        merged tokens that are never unmerged."""
+        name = type(self.model).__name__
+        if self.state.busy_here(self.model):
+            raise RuntimeError(
+                f"cannot change ToMe on {name} from inside its own forward call (this thread is running it); "
+                "apply_tome/remove_tome take effect between calls: change it after the call returns, e.g. in the "
+                "pipeline's step callback (callback_on_step_end)"
+            )
+        busy = self.state.busy_elsewhere(self.model)
         if busy:
             raise RuntimeError(
-                f"cannot change ToMe on {type(self.model).__name__} while {busy} forward call(s) of it are running in "
-                "other threads; apply_tome/remove_tome take effect between calls: wait for the calls to finish "
+                f"cannot change ToMe on {name} while {busy} forward call(s) of it are running in other threads; "
+                "apply_tome/remove_tome take effect between calls: wait for the calls to finish "
                 "(reset_tome is safe at any time)"
             )
 
+    def calls_in_flight(self) -> int:
+        """Forward calls of this model running right now, in every thread. A call left by ``KeyboardInterrupt`` or
+        ``SystemExit`` (which Paddle does not show to hooks) is over and not counted."""
+        with PATCH_LOCK:
+            return self.state.busy_here(self.model) + self.state.busy_elsewhere(self.model)
+
     def remove(self) -> None:
         """Take every hook off and drop the patch attribute; the model is then exactly as before ``install``.
-        Raises ``RuntimeError`` (and changes nothing) while another thread is running the model."""
-        self.check_idle()
-        self._remove_hooks()
-        self.state.end_call()
-        self.state.forget_calls_in_flight()  # what is left belongs to this thread: calls that never reached their end
-        self.blocks = []
-        if self.model.__dict__.get(PATCH_ATTR) is self:
-            del self.model.__dict__[PATCH_ATTR]
+        Raises ``RuntimeError`` (and changes nothing) while a forward of the model is running. Removing a patch
+        that is already removed does nothing."""
+        with PATCH_LOCK:
+            if not getattr(self, "installed", True):  # (a patch pickled by 0.4.0 has no flag: it is installed)
+                return
+            self.check_idle()
+            self._remove_hooks()
+            self.state.forget_calls_in_flight()  # what is left belongs to calls that never reached their end
+            self.blocks = []
+            self.installed = False
+            if self.model.__dict__.get(PATCH_ATTR) is self:
+                del self.model.__dict__[PATCH_ATTR]
 
     # hooks ---------------------------------------------------------------------------------------------------
     def _before_model(self, layer, args, kwargs):
         sample = args[0] if args else kwargs.get("sample", kwargs.get("hidden_states"))
         timestep = args[self.timestep_arg] if len(args) > self.timestep_arg else kwargs.get("timestep")
-        self.state.begin_call(sample, timestep)
+        self.state.begin_call(sample, timestep, layer)
         return None
 
     def _after_model(self, layer, args, kwargs, output):

@@ -13,9 +13,10 @@ Nothing here reads a tensor on the host unless the config needs a Python number 
 
 from __future__ import annotations
 
+import sys
 import threading
 import warnings
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 import numpy as np
 import paddle
@@ -50,6 +51,41 @@ def timestep_values(timestep: Any) -> Optional[np.ndarray]:
     return values if values.size else None
 
 
+# Paddle runs every call of a layer that has forward hooks in ``Layer._dygraph_call_func``: the frames of that code on
+# a thread's stack are the layer calls running in that thread. They tell a call that is still running from one that
+# was left by an exception Paddle does not show to hooks (KeyboardInterrupt, SystemExit), which never ends itself.
+_CALL_CODE = getattr(getattr(paddle.nn.Layer, "_dygraph_call_func", None), "__code__", None)
+
+
+def _call_frame() -> Optional[int]:
+    """The id of the frame of the layer call the calling hook runs in, or None when there is none to be found (a
+    call by hand, outside any forward; a Paddle that calls hooks another way)."""
+    if _CALL_CODE is None:
+        return None
+    frame = sys._getframe(1)
+    for _ in range(24):  # a hook is a few frames below its layer's call
+        if frame is None:
+            return None
+        if frame.f_code is _CALL_CODE:
+            return id(frame)
+        frame = frame.f_back
+    return None
+
+
+def _live_calls(frame: Any, layer: Any = None) -> Set[int]:
+    """Ids of the layer-call frames on the stack that ``frame`` tops; with ``layer``, only calls of ``layer`` (or
+    of a shallow copy of it: they share its hook table)."""
+    table = None if layer is None else getattr(layer, "__dict__", {}).get("_forward_pre_hooks")
+    found = set()
+    while frame is not None:
+        if frame.f_code is _CALL_CODE:
+            caller = frame.f_locals.get("self") if table is not None else None
+            if table is None or getattr(caller, "__dict__", {}).get("_forward_pre_hooks") is table:
+                found.add(id(frame))
+        frame = frame.f_back
+    return found
+
+
 def _take(table: Dict, key: Any) -> Any:
     """``table.pop(key, None)`` spelled so that Paddle's SOT tracer can follow it."""
     if key in table:
@@ -68,6 +104,7 @@ class CallRecord:
         self.timestep_key: Optional[Tuple[int, ...]] = None  # host copy, only with plan caching / schedules
         self.progress = 0.0  # 1 - t/T of the call: 0 at pure noise, 1 at the clean image
         self.number = 0  # which call of the model this is (keys the partition when there is no timestep)
+        self.frame: Optional[int] = None  # id of the frame of Paddle's layer call running it (None: unknown)
         self.saved: Any = None  # the step history before this call, restored if the call fails
         self.merged_blocks = 0  # (kept after the call ends, for reporting)
         self.finest_level: Optional[int] = None  # (kept after the call ends, for reporting)
@@ -120,7 +157,8 @@ class StepHistory:
 
 class _PerThread(threading.local):
     def __init__(self) -> None:
-        self.call = CallRecord()
+        self.stack: List[CallRecord] = []  # the calls in flight in this thread, outermost first (nested calls)
+        self.call = CallRecord()  # the innermost call in flight, or the latest one that ended (for its report)
         self.history = StepHistory()
 
 
@@ -133,9 +171,15 @@ class ToMeState:
     prompted and unprompted halves of classifier-free guidance even when they arrive in separate calls. (A model
     called without a timestep falls back to keying by the number of the call.)
 
-    Thread safety: every call keeps its own record per thread; :meth:`reset` only drops counters and each thread's
-    step history (at that thread's next call), never a call in flight; :meth:`busy_elsewhere` tells the patch
-    whether another thread is inside a forward.
+    Thread safety: every call keeps its own record per thread (a stack: a model called inside its own forward gets a
+    record of its own, and the outer call goes on with its own plans afterwards); :meth:`reset` only drops counters
+    and each thread's step history (at that thread's next call), never a call in flight; :meth:`busy_elsewhere` and
+    :meth:`busy_here` tell the patch whether a forward is running in another thread or in this one.
+
+    A call normally ends in the model's post-hook, which Paddle runs on return and on any ``Exception``. It does not
+    run it for ``KeyboardInterrupt`` or ``SystemExit``; such a call is recognised as ended because the frame of its
+    layer call is no longer on its thread's stack, and is dropped (its step history put back, as for a failed call)
+    at that thread's next call, or when anyone asks whether the model is busy.
 
     >>> state = ToMeState(ToMeConfig(), num_blocks=2)
     >>> state.begin_call(paddle.zeros([1, 4, 8, 8]), paddle.to_tensor(999))
@@ -157,7 +201,7 @@ class ToMeState:
         self.reads_timestep = tome and (config.is_scheduled or config.caches_plans)
         self._threads = _PerThread()
         self._lock = threading.Lock()
-        self.in_flight: Dict[int, int] = {}  # thread ident -> calls of this model running in that thread
+        self.in_flight: Dict[int, List[Optional[int]]] = {}  # thread ident -> frames of its calls in flight
         self.epoch = 0
         self.reset()
 
@@ -221,32 +265,52 @@ class ToMeState:
         return self._threads.call.finest_level
 
     # a call's lifetime ---------------------------------------------------------------------------------------------
-    def begin_call(self, sample: Any, timestep: Any) -> None:
-        """Start the record of a forward call (the model's pre-hook)."""
+    def begin_call(self, sample: Any, timestep: Any, layer: Any = None) -> None:
+        """Start the record of a forward call of ``layer`` (the model's pre-hook). Calls of this thread that were
+        left by an exception the hooks never saw (Ctrl-C) are ended first."""
         self._forget_history_after_reset()
+        frame = None if tracing() else _call_frame()
+        if self._threads.stack and frame is not None:
+            self._drop_ended(layer, running=frame)
         shape = getattr(sample, "shape", None)
         latent_hw = (int(shape[-2]), int(shape[-1])) if shape is not None and len(shape) == 4 else None
+        call = CallRecord()
         if self.reads_timestep:
-            self._read_timestep(timestep)  # may raise: then nothing below has changed
+            self._read_timestep(timestep, call)  # may raise: then nothing has changed
         self.calls += 1
-        call = self._threads.call
         call.number = self.calls
-        call.merged_blocks, call.finest_level = 0, None
-        call.plans.clear()
-        call.shared.clear()
-        call.active.clear()
-        call.partitions.clear()
         call.latent_hw = latent_hw
-        call.timestep, call.step_key = timestep, None
-        self._count_in_flight(+1)
+        call.timestep = timestep
+        call.frame = frame
+        self._threads.stack.append(call)
+        self._threads.call = call
+        with self._lock:
+            self.in_flight.setdefault(threading.get_ident(), []).append(frame)
 
     def end_call(self, completed: bool = True) -> None:
-        """Drop what only the call in flight may use (plans, size, timestep); the counters for reporting stay. A call
-        that failed puts the step history back as it was before it, so running the same generation again gives
-        what a fresh model gives."""
-        call = self._threads.call
+        """End the call in flight (the model's post-hook): drop what only it may use (plans, size, timestep); the
+        counters for reporting stay. A call that failed puts the step history back as it was before it, so running
+        the same generation again gives what a fresh model gives. Does nothing when no call of this thread began
+        here (a pre-hook before ToMe's raised)."""
+        stack = self._threads.stack
+        if not stack:
+            return
+        frame = None if tracing() else _call_frame()
+        index = len(stack) - 1
+        if frame is not None:
+            mine = [i for i, call in enumerate(stack) if call.frame == frame]
+            if not mine:
+                return
+            index = mine[-1]
+        while len(stack) > index + 1:  # calls nested in this one that never ended (interrupted, caught in it)
+            self._pop(completed=False)
+        self._pop(completed)
+
+    def _pop(self, completed: bool) -> None:
+        threads = self._threads
+        call = threads.stack.pop()
         if not completed and call.saved is not None:
-            self._threads.history.restore(call.saved)
+            threads.history.restore(call.saved)
         call.saved = None
         call.plans.clear()
         call.shared.clear()
@@ -254,27 +318,56 @@ class ToMeState:
         call.partitions.clear()
         call.latent_hw = None
         call.timestep, call.step_key, call.timestep_key = None, None, None
-        self._count_in_flight(-1)
+        threads.call = threads.stack[-1] if threads.stack else call  # (an ended call stays for its report)
+        ident = threading.get_ident()
+        with self._lock:
+            frames = self.in_flight.get(ident)
+            if frames:
+                frames.pop()
+            if not frames:
+                self.in_flight.pop(ident, None)
+
+    def _drop_ended(self, layer: Any, running: Optional[int] = None) -> None:
+        """End the calls of this thread whose layer call is no longer running (left by KeyboardInterrupt or
+        SystemExit), innermost first, putting back the step history each of them had advanced."""
+        stack = self._threads.stack
+        live = _live_calls(sys._getframe(1), layer)
+        live.discard(running)  # the call starting now has no record yet
+        while stack and stack[-1].frame not in live:
+            self._pop(completed=False)
 
     def forget_calls_in_flight(self) -> None:
         """Drop every in-flight count (when the patch is removed: what is left belongs to calls that never ended)."""
         with self._lock:
             self.in_flight.clear()
+        threads = self._threads
+        while threads.stack:
+            self._pop(completed=False)
 
-    def busy_elsewhere(self) -> int:
-        """How many calls of this model are running in other threads right now."""
-        ident = threading.get_ident()
-        with self._lock:
-            return sum(count for thread, count in self.in_flight.items() if thread != ident)
+    def busy_here(self, layer: Any = None) -> int:
+        """How many calls of this model are running in this thread right now (more than 0 inside its own forward).
+        With ``layer`` (the model), calls left by an interrupt are ended first and not counted."""
+        if _CALL_CODE is None:  # a Paddle that runs hooks elsewhere: calls cannot be told apart, none is counted
+            return 0
+        if self._threads.stack and layer is not None and not tracing():
+            self._drop_ended(layer)
+        return len(self._threads.stack)
 
-    def _count_in_flight(self, change: int) -> None:
+    def busy_elsewhere(self, layer: Any = None) -> int:
+        """How many calls of this model are running in other threads right now. With ``layer`` (the model), a call
+        whose thread has left its layer call (an interrupt the hooks never saw, or a thread that died) is not
+        counted."""
         ident = threading.get_ident()
-        with self._lock:
-            count = self.in_flight.get(ident, 0) + change
-            if count > 0:
-                self.in_flight[ident] = count
-            else:
-                self.in_flight.pop(ident, None)
+        with self._lock:  # (no call of another thread can end or begin while its frames are looked at)
+            others = {thread: list(frames) for thread, frames in self.in_flight.items() if thread != ident and frames}
+            if not others or layer is None or _CALL_CODE is None:
+                return sum(len(frames) for frames in others.values())
+            stacks = sys._current_frames()
+            busy = 0
+            for thread, frames in others.items():
+                live = _live_calls(stacks.get(thread))
+                busy += sum(1 for frame in frames if frame is None or frame in live)
+            return busy
 
     def _forget_history_after_reset(self) -> None:
         history = self._threads.history
@@ -282,7 +375,7 @@ class ToMeState:
             history.epoch = self.epoch
             history.clear()
 
-    def _read_timestep(self, timestep: Any) -> None:
+    def _read_timestep(self, timestep: Any, call: CallRecord) -> None:
         """The host-side part of a call for a ratio schedule or plan caching: the progress and the step count."""
         if tracing():
             what = "a ratio schedule" if self.config.is_scheduled else "recompute_every"
@@ -297,7 +390,7 @@ class ToMeState:
                 f"ToMe got a timestep that is not finite ({values.tolist()}); a ratio schedule and plan caching need "
                 "a finite timestep. Check the scheduler's timesteps (NaN usually comes from an earlier numeric error)."
             )
-        call, history = self._threads.call, self._threads.history
+        history = self._threads.history
         call.saved = history.snapshot()
         call.timestep_key = None if values is None else tuple(int(v) for v in values.view(np.uint64))
         progress = None if values is None else self._progress_of(float(values[-1]))  # the noisiest item decides

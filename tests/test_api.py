@@ -341,3 +341,27 @@ def test_the_install_recipe_named_in_half_precision_messages_exists_in_both_read
     assert '"Installing into your own environment"' in GPU_INSTALL_HINT and "在 GPU 上安装" in GPU_INSTALL_HINT
     assert "\n### Installing into your own environment\n" in readme and "paddlepaddle-gpu" in readme
     assert "\n### 在 GPU 上安装\n" in readme_cn
+
+
+def test_tome_status_returns_the_users_schedule_even_when_it_cannot_be_copied():  # issue 18, item 7
+    import threading
+
+    class LockedSchedule:
+        """A valid ratio schedule holding a lock (copy.deepcopy and pickle refuse it)."""
+
+        def __init__(self):
+            self.lock = threading.Lock()
+
+        def __call__(self, progress):
+            with self.lock:
+                return 0.6 - 0.3 * progress
+
+    def plain(progress):
+        return 0.5
+
+    for schedule in (LockedSchedule(), plain):
+        unet = ppdiffusers_tome.apply_tome(tiny_unet(), ratio=schedule)
+        settings = ppdiffusers_tome.tome_status(unet)["UNet2DConditionModel"]["settings"]
+        assert settings["ratio"] is schedule  # the user's own object, not a copy
+        assert settings == dict(ppdiffusers_tome.tome_config(unet).__dict__)
+        unet_output(unet)  # and the schedule works
