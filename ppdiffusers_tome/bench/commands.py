@@ -17,7 +17,7 @@ from typing import Any, Dict, Iterator, List, Sequence, Tuple
 
 from .. import presets
 from ..config import ToMeConfig
-from ..figure import draw_plan_figure
+from ..figure import draw_plan_figure, save_png
 from ..measure import environment, on_gpu, set_threads
 from ..progress import ProgressBar
 from .demo import DEMO_LEGEND, demo_grid, demo_label, demo_rows, first_image, format_demo_table, noise_warning, \
@@ -233,7 +233,7 @@ def run_figure(args: argparse.Namespace) -> Dict[str, Any]:
     ToMeConfig(ratio=args.ratio)
     image, info = draw_plan_figure(ratio=args.ratio, grid=args.grid, seed=args.seed)
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-    image.save(args.output)
+    save_png(image, args.output)
     sys.stdout.write(
         f"{info['grid']}x{info['grid']} tokens, {info['dst']} dst, {info['merged']} merged at ratio {args.ratio:g}: "
         f"wrote {args.output}\n"

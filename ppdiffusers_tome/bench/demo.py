@@ -9,8 +9,9 @@ import statistics
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
-from PIL import Image, ImageDraw
+from PIL import Image
 
+from ..figure import side_by_side
 from ..measure import median, render_table
 from .runner import Cell, RunOutputs
 
@@ -82,15 +83,11 @@ def format_demo_table(rows: List[Dict[str, Any]]) -> str:
 
 
 def image_grid(tiles: Sequence[np.ndarray], labels: Sequence[str]) -> Image.Image:
-    """The images side by side (pixels in 0..1), each under a strip with its label."""
-    h, w = tiles[0].shape[:2]
-    strip = 14
-    canvas = Image.new("RGB", (w * len(tiles), h + strip), "white")
-    draw = ImageDraw.Draw(canvas)
-    for i, (tile, label) in enumerate(zip(tiles, labels)):
-        canvas.paste(Image.fromarray((np.clip(tile, 0, 1) * 255).round().astype("uint8")), (i * w, strip))
-        draw.text((i * w + 3, 1), label, fill="black")
-    return canvas
+    """The images side by side (pixels in 0..1), each under its label: :func:`~ppdiffusers_tome.figure.side_by_side`,
+    so images smaller than :data:`~ppdiffusers_tome.figure.MIN_TILE` px are enlarged (nearest neighbour) and the
+    labels stay readable."""
+    images = [Image.fromarray((np.clip(tile, 0, 1) * 255).round().astype("uint8")) for tile in tiles]
+    return side_by_side(images, labels)
 
 
 def demo_grid(rows: Sequence[Dict[str, Any]], images: Sequence[np.ndarray]) -> Image.Image:
