@@ -108,7 +108,8 @@ def test_notebook_controlnet_ratio_todo_and_demo_sections(executed):
     assert [row["method"] for row in record["results"]] == ["vanilla", "tome", "tome"]
     assert os.path.isfile(os.path.join(ns["demo_dir"], "demo.png"))
     printed = "".join(out for out, _ in outputs)
-    assert "speed-up" in printed and "PSNR dB" in printed and "每次计时" in printed  # the demo's table, and its reading
+    # the demo's table, and the cell that reads its results.json
+    assert "speed-up" in printed and "PSNR dB" in printed and "每次计时" in printed
 
 
 def test_readmes_point_to_the_notebook():

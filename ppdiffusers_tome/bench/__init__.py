@@ -68,9 +68,8 @@ __all__ = [
     "ALL_METHODS", "BenchSettings", "BoundPatch", "Cell", "CpuDevice", "CudaDevice", "DEVICES", "DenoiserInputs",
     "Device", "DeviceMemory", "DeviceUnavailable", "Method", "NotSupported", "RunOutputs", "Runner", "SplitClock",
     "TruncationPlan", "attention_processor", "builtin_level", "config_kwargs", "configure", "control_image",
-    "default_device", "effective_speedup", "format_details", "format_grid_table", "format_pareto", "format_time_split", "grid_steps",
-    "is_out_of_memory", "load_cells", "merges_nothing", "method_list", "noise_warnings", "parse_variant", "pareto_front", "pipeline_kwargs", "record",
-    "run_grid", "save_json", "select_device", "set_efficient_attention", "single_run_note", "speedup_text",
-    "spread_warning", "time_split", "write_pareto_plot",
-    "write_plots",
+    "default_device", "effective_speedup", "format_details", "format_grid_table", "format_pareto", "format_time_split",
+    "grid_steps", "is_out_of_memory", "load_cells", "merges_nothing", "method_list", "noise_warnings", "parse_variant",
+    "pareto_front", "pipeline_kwargs", "record", "run_grid", "save_json", "select_device", "set_efficient_attention",
+    "single_run_note", "speedup_text", "spread_warning", "time_split", "write_pareto_plot", "write_plots",
 ]

@@ -272,7 +272,8 @@ def record(cells: List[Cell], settings: BenchSettings, source: str, threads: int
         "cells": [asdict(c) for c in cells],
         "time_split": split,
         # configurations that merged nothing: their speed-up is reported as vanilla's (see merges_nothing)
-        "vanilla_twins": [f"{c.label} {c.resolution}x{c.resolution} batch {c.batch}" for c in cells if merges_nothing(c)],
+        "vanilla_twins": [f"{c.label} {c.resolution}x{c.resolution} batch {c.batch}"
+                          for c in cells if merges_nothing(c)],
         "warnings": [text for text in [single_run_note(cells)] + noise_warnings(cells) if text],
     }
 
