@@ -21,7 +21,7 @@ QUICK = ["--resolutions", "32", "--steps", "1", "--repeats", "1", "--warmup", "0
 CELL_KEYS = {
     "resolution", "batch", "method", "ratio", "label", "options", "status", "reason", "seconds_per_image", "unet_seconds", "speedup",
     "peak_memory_bytes", "added_memory_bytes", "memory_kind", "psnr_db", "rel_l2", "fraction_of_bound",
-    "plans_reused_share", "runs_seconds", "ops", "merging_blocks", "ops_per_block", "attention",
+    "plans_reused_share", "runs_seconds", "ops", "merging_blocks", "ops_per_block", "attention", "merges",
 }
 
 
@@ -216,6 +216,103 @@ def test_pareto_front_keeps_only_unbeaten_configurations():
     assert "bound" not in table and table.index("| c ") < table.index("| a ")  # fastest first
 
 
+# honest speed-ups: one run says so, noisy cells warn, a configuration that merges nothing is vanilla -----------------
+def synthetic(label, speedup, psnr, rel_l2, runs, method="tome", merges=None, size=512):
+    """A measured cell without measuring: ``speedup`` and ``runs`` (seconds of each timed run) as given."""
+    return bench.Cell(size, 1, method, 0.5, label=label, speedup=speedup, psnr_db=psnr, rel_l2=rel_l2,
+                      seconds_per_image=sorted(runs)[len(runs) // 2], runs_seconds=list(runs), merges=merges)
+
+
+def sdxl_like_cells(runs=3):
+    """The SDXL bench of issue #19: ``tome@0.5[level=1]`` merged nothing (SDXL has no transformer block at the
+    first level) yet timed 1.33x faster than vanilla on a busy machine."""
+    return [
+        synthetic("vanilla", 1.0, float("inf"), 0.0, [4.0] * runs, method="vanilla"),
+        synthetic("tome@0.5[level=1]", 1.33, float("inf"), 0.0, [3.0] * runs, merges=0),
+        synthetic("tome@0.5", 1.2, 28.0, 0.05, [3.3] * runs, merges=140),
+        synthetic("builtin@0.5", 1.25, float("inf"), 0.0, [3.2] * runs, method="builtin"),  # not counted: same output
+        synthetic("bound@0.5", 2.0, 5.0, 0.5, [2.0] * runs, method="bound", merges=140),
+    ]
+
+
+def test_a_configuration_that_merges_nothing_is_reported_as_vanillas_twin():
+    cells = sdxl_like_cells()
+    assert [c.label for c in cells if bench.merges_nothing(c)] == ["tome@0.5[level=1]", "builtin@0.5"]
+    front = {c.label for c in bench.pareto_front(cells)}
+    assert front == {"vanilla", "tome@0.5"}  # vanilla stays on the front; its twins take no place of their own
+    pareto = bench.format_pareto(cells)
+    assert "1.33x" not in pareto and "1.25x" not in pareto
+    twin_row = next(line for line in pareto.splitlines() if "tome@0.5[level=1]" in line)
+    assert twin_row.count("= vanilla") == 2 and "yes" not in twin_row  # speed-up and Pareto column
+    lines = [line for line in pareto.splitlines() if "512x512" in line]
+    assert "tome@0.5 " in lines[0] and "vanilla" in lines[1]  # ranked with vanilla, after the real speed-up
+    for table in (bench.format_grid_table(cells, [bench.Method("vanilla"), bench.Method("tome", 0.5),
+                                                  bench.Method("tome", 0.5, {"max_downsample": 1})]),
+                  bench.format_details(cells)):
+        assert "1.33" not in table and "+33" not in table and "= vanilla" in table
+    assert bench.effective_speedup(cells[1]) == 1.0 and bench.effective_speedup(cells[2]) == 1.2
+
+
+def test_merging_something_is_never_vanillas_twin():
+    counted = synthetic("tome@0.5", 1.2, float("inf"), 0.0, [3.0], merges=3)  # merged, rounding to the same image
+    uncounted = synthetic("builtin@0.5", 1.2, 40.0, 1e-4, [3.0], method="builtin")
+    vanilla = synthetic("vanilla", 1.0, float("inf"), 0.0, [3.0], method="vanilla")
+    assert not any(bench.merges_nothing(c) for c in (counted, uncounted, vanilla))
+
+
+def test_pareto_plot_names_a_twin_beside_vanilla(tmp_path):
+    paths = bench.write_pareto_plot(sdxl_like_cells(), str(tmp_path))
+    assert len(paths) == 1
+    with Image.open(paths[0]) as png:
+        png.verify()
+
+
+def test_a_single_run_speedup_says_it_is_one_run():
+    cells = sdxl_like_cells(runs=1)
+    pareto = bench.format_pareto(cells)
+    assert "1.20x (1 run)" in pareto and "1.00x (1 run)" not in pareto  # vanilla's 1.00x is no measurement
+    grid = bench.format_grid_table(cells, [bench.Method("vanilla"), bench.Method("tome", 0.5)])
+    assert "(+20.0%, 1 run)" in grid
+    assert "1.20x (1 run)" in bench.format_details(cells)
+    note = bench.single_run_note(cells)
+    assert note and "--repeats 3" in note
+    steady = sdxl_like_cells(runs=3)
+    assert "1 run" not in bench.format_pareto(steady) and bench.single_run_note(steady) is None
+
+
+def test_bench_warns_on_noisy_cells_like_the_demo():
+    cells = sdxl_like_cells()
+    assert bench.noise_warnings(cells) == []
+    cells[0].runs_seconds = [3.0, 4.0, 6.0]  # vanilla timed on a busy machine
+    cells[2].runs_seconds = [3.2, 3.3, 3.4]
+    other = synthetic("vanilla", 1.0, float("inf"), 0.0, [4.0, 4.1, 4.0], method="vanilla", size=768)
+    warnings = bench.noise_warnings(cells + [other])
+    assert len(warnings) == 1 and warnings[0].startswith("WARNING: 512x512 batch 1:")
+    text = warnings[0]
+    assert "vanilla 3.00-6.00 s" in text and "tome@0.5 lies between 0.88x and 1.88x" in text
+    assert "not meaningful" in text and "more --repeats" in text
+    assert "[level=1] lies" not in text and "bound@0.5 lies" not in text  # no speed-up range for twins or bound
+
+
+def test_bench_prints_twins_notes_and_warnings(tmp_path, capsys, monkeypatch):
+    """End to end on the tiny preset: a ratio too small to merge one token (``tome@0.001``) is vanilla's twin in
+    the tables and results.json, and ``--repeats 1`` is said to be one run."""
+    args = ["bench", "--arch", "tiny", *QUICK, "--methods", "vanilla", "tome", "--ratios", "0.001", "0.5",
+            "--no-time-split", "--no-plots", "--no-op-count", "--output", str(tmp_path)]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    data = load(tmp_path)
+    cells = {c["label"]: c for c in data["cells"]}
+    assert cells["tome@0.001"]["merges"] == 0 and cells["tome@0.5"]["merges"] > 0
+    assert cells["vanilla"]["merges"] is None
+    assert data["vanilla_twins"] == ["tome@0.001 32x32 batch 1"]
+    assert "ONE timed run per configuration" in out and "(1 run)" in out and "NOTE: one timed run" in out
+    assert "= vanilla: the configuration merged nothing" in out
+    twin_row = next(line for line in out.split("Pareto: no other")[1].splitlines() if "tome@0.001" in line)
+    assert "= vanilla" in twin_row and "x (1 run)" not in twin_row
+    assert any("one timed run" in w for w in data["warnings"])
+
+
 def test_bench_measures_cache_reuse_in_pipeline_mode(tmp_path):
     args = ["bench", "--arch", "tiny", "--resolutions", "32", "--steps", "4", "--repeats", "1", "--warmup", "0",
             "--threads", "1", "--methods", "vanilla", "tome", "todo", "--variants", "tome:recompute_every=4",
@@ -361,3 +458,29 @@ def test_runner_wraps_every_run_and_keeps_what_the_demo_needs():
     mse = np.mean((vanilla.images - tome.images) ** 2)  # PSNR of the kept images, computed here in float64
     assert mse > 0 and cells["tome@0.5"].psnr_db == pytest.approx(10 * np.log10(1.0 / mse))
     assert cells["tome@0.5"].unet_seconds == pytest.approx(np.median([np.median(r) for r in tome.forward_seconds]))
+
+
+def test_demo_says_a_single_run_is_one_run(tmp_path, capsys):
+    args = ["demo", "--preset", "tiny", "--resolution", "32", "--steps", "1", "--threads", "1", "--ratios", "0.5",
+            "--repeats", "1", "--output", str(tmp_path)]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "ONE timed run per configuration" in out and "median of" not in out
+    tome_row = next(line for line in out.splitlines() if line.startswith("tome "))
+    assert "x (1 run)" in tome_row
+    assert "NOTE: one timed run per method (--repeats 1)" in out
+    assert any("one timed run" in w for w in load(tmp_path)["warnings"])
+
+
+def test_demo_table_shows_a_ratio_that_merges_nothing_as_vanilla():
+    from ppdiffusers_tome.bench.demo import format_demo_table, noise_warning
+
+    base = {"ratio": 0.0, "seconds_per_image": 4.0, "unet_seconds": 0.1, "peak_memory_bytes": 2**20,
+            "added_memory_bytes": 2**20, "max_abs_diff": 0.0, "psnr_db": float("inf")}
+    rows = [{**base, "method": "vanilla", "speedup": 1.0, "runs_seconds": [4.0, 6.0, 4.1], "merges_nothing": False},
+            {**base, "method": "tome", "ratio": 0.001, "speedup": 1.33, "runs_seconds": [3.0, 3.1, 3.0],
+             "merges_nothing": True}]
+    table = format_demo_table(rows)
+    assert "1.33x" not in table and "= vanilla" in table
+    text = noise_warning(rows)
+    assert "vanilla 4.00-6.00 s" in text and "lies between" not in text  # no speed-up range for vanilla's twin

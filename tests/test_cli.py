@@ -9,6 +9,7 @@ import pytest
 from PIL import Image
 
 from ppdiffusers_tome.cli import main
+from ppdiffusers_tome.figure import MIN_TILE, row_layout
 from ppdiffusers_tome.presets import available_presets, default_resolution, load_preset, preset_pipeline
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -38,7 +39,9 @@ def test_demo_writes_table_png_and_json(tmp_path, capsys):
     with Image.open(tmp_path / "demo.png") as png:
         png.verify()
     with Image.open(tmp_path / "demo.png") as png:
-        assert png.size == (4 * 32, 32 + 14)  # vanilla, two ratios, difference; a label strip on top
+        # vanilla, two ratios, difference, each enlarged to a readable tile under a label row of its own
+        layout = row_layout([(32, 32)] * 4, ["vanilla", "ToMe 0.30", "ToMe 0.50", "|diff| x4 (0.50)"])
+        assert png.size == layout.size and min(layout.tile) >= MIN_TILE
 
 
 def test_demo_json_is_strict_json(tmp_path):

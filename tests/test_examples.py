@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from ppdiffusers_tome.figure import MIN_TILE, row_layout
+
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 SCRIPTS = sorted(name for name in os.listdir(EXAMPLES) if name.endswith(".py"))
 
@@ -58,11 +60,13 @@ def test_example_runs_on_its_tiny_default(script, tmp_path, monkeypatch, caplog,
         single = pixels(tmp_path / "vanilla.png")
         strip = pixels(tmp_path / "side_by_side.png")
         count = len([n for n in SAVED[script] if n != "side_by_side.png" and "start" not in n])
-        assert strip.shape[1] == count * single.shape[1] and strip.shape[0] > single.shape[0]
-        # the vanilla image sits in the strip unchanged, below the label row
+        layout = row_layout([(single.shape[1], single.shape[0])] * count, ["label"] * count)  # (labels: any)
+        assert strip.shape[1] == layout.size[0] and strip.shape[0] > layout.tile[1] >= MIN_TILE
+        # the vanilla image sits in the strip below the label row, only enlarged (nearest neighbour)
         index = 2 if script == "multi_controlnet.py" else 1 if script == "controlnet.py" else 0
-        width = single.shape[1]
-        assert np.array_equal(strip[-single.shape[0]:, index * width:(index + 1) * width], single)
+        left, _, right, _ = layout.tile_boxes[index]
+        enlarged = single.repeat(layout.scale, 0).repeat(layout.scale, 1)
+        assert np.array_equal(strip[-layout.tile[1]:, left:right], enlarged)
     if script in SAYS_WHERE:
         assert os.path.abspath(tmp_path) in caplog.text
     captured = capfd.readouterr()

@@ -28,6 +28,11 @@ memory-efficient attention (GPU builds), its default attention processor already
 ``scaled_dot_product_attention_`` (flash attention in half precision, else cutlass), so every method runs with it;
 each cell records its processor. The device functions sit in one object (:class:`CudaDevice`) that tests replace.
 
+Speed-ups are reported honestly: one from a single timed run (``--repeats 1``) says ``(1 run)``; a resolution x
+batch whose timed runs spread by more than 25% gets the demo's warning; and a configuration that merged nothing
+(:func:`merges_nothing`, e.g. ``max_downsample=1`` on SDXL) is vanilla's twin: its speed-up reads ``= vanilla`` and
+it takes no place of its own on the Pareto front, whatever its timing says.
+
 ``--variants`` adds configurations beyond the plain methods, each ``name:option=value,...`` with ``apply_tome``
 options, for example ``tome:recompute_every=5``, ``tome:ratio=(0.6,0.3)`` or
 ``todo:downsample_factor=4,downsample_mode=average``. A ``tome`` variant without its own ``ratio`` runs at every
@@ -40,7 +45,7 @@ Modules, one job each:
 * :mod:`~ppdiffusers_tome.bench.inputs` — pipeline-call arguments and fixed denoiser inputs;
 * :mod:`~ppdiffusers_tome.bench.runner` — running and timing the cells (:class:`Runner`, :func:`run_grid`);
 * :mod:`~ppdiffusers_tome.bench.timesplit` — attention / matching / rest of one denoiser forward;
-* :mod:`~ppdiffusers_tome.bench.report` — text tables, Pareto front, ``results.json``;
+* :mod:`~ppdiffusers_tome.bench.report` — text tables, Pareto front, noise warnings, ``results.json``;
 * :mod:`~ppdiffusers_tome.bench.plots` — the PNG plots (matplotlib);
 * :mod:`~ppdiffusers_tome.bench.demo` — the demo's rows, table, legend, image grid and noise warning;
 * :mod:`~ppdiffusers_tome.bench.commands` — the ``demo``/``bench``/``figure`` commands (imported by the CLI when it
@@ -53,8 +58,9 @@ from .inputs import DenoiserInputs, control_image, pipeline_kwargs
 from .methods import ALL_METHODS, BenchSettings, BoundPatch, Method, NotSupported, TruncationPlan, builtin_level, \
     config_kwargs, configure, method_list, parse_variant, set_efficient_attention
 from .plots import write_pareto_plot, write_plots
-from .report import format_details, format_grid_table, format_pareto, format_time_split, load_cells, pareto_front, \
-    record, save_json
+from .report import effective_speedup, format_details, format_grid_table, format_pareto, format_time_split, \
+    load_cells, merges_nothing, noise_warnings, pareto_front, record, save_json, single_run_note, speedup_text, \
+    spread_warning
 from .runner import Cell, Runner, RunOutputs, attention_processor, grid_steps, run_grid
 from .timesplit import SplitClock, time_split
 
@@ -62,8 +68,8 @@ __all__ = [
     "ALL_METHODS", "BenchSettings", "BoundPatch", "Cell", "CpuDevice", "CudaDevice", "DEVICES", "DenoiserInputs",
     "Device", "DeviceMemory", "DeviceUnavailable", "Method", "NotSupported", "RunOutputs", "Runner", "SplitClock",
     "TruncationPlan", "attention_processor", "builtin_level", "config_kwargs", "configure", "control_image",
-    "default_device", "format_details", "format_grid_table", "format_pareto", "format_time_split", "grid_steps",
-    "is_out_of_memory", "load_cells", "method_list", "parse_variant", "pareto_front", "pipeline_kwargs", "record",
-    "run_grid", "save_json", "select_device", "set_efficient_attention", "time_split", "write_pareto_plot",
-    "write_plots",
+    "default_device", "effective_speedup", "format_details", "format_grid_table", "format_pareto", "format_time_split",
+    "grid_steps", "is_out_of_memory", "load_cells", "merges_nothing", "method_list", "noise_warnings", "parse_variant",
+    "pareto_front", "pipeline_kwargs", "record", "run_grid", "save_json", "select_device", "set_efficient_attention",
+    "single_run_note", "speedup_text", "spread_warning", "time_split", "write_pareto_plot", "write_plots",
 ]

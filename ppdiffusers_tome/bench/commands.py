@@ -18,16 +18,17 @@ from typing import Any, Dict, Iterator, List, Sequence, Tuple
 from .. import presets
 from ..api import GPU_INSTALL_HINT
 from ..config import ToMeConfig
-from ..figure import draw_plan_figure
+from ..figure import draw_plan_figure, save_png
 from ..measure import environment, on_gpu, set_threads
 from ..progress import ProgressBar
 from .demo import DEMO_LEGEND, demo_grid, demo_label, demo_rows, first_image, format_demo_table, noise_warning, \
-    unstable_runs
+    single_run_note, unstable_runs
 from .devices import Device, default_device, is_out_of_memory, select_device
 from .inputs import pipeline_kwargs
 from .methods import BenchSettings, Method, method_list
 from .plots import write_plots
-from .report import format_details, format_grid_table, format_pareto, format_time_split, record, save_json
+from .report import TWIN_LEGEND, format_details, format_grid_table, format_pareto, format_time_split, merges_nothing, \
+    record, save_json
 from .runner import Runner, grid_steps, run_grid
 from .timesplit import time_split
 
@@ -125,6 +126,10 @@ def measure_demo(prepared: Prepared, args: argparse.Namespace, size: int) -> Tup
     return demo_rows(cells, runner.outputs), [first_image(runner.outputs[c.label]) for c in cells]
 
 
+def _runs(repeats: int) -> str:
+    return "ONE timed run per configuration" if repeats == 1 else f"median of {repeats} timed runs"
+
+
 def run_demo(args: argparse.Namespace) -> Dict[str, Any]:
     """``ppdiffusers-tome demo``: table on stdout, ``demo.png`` and ``results.json`` in ``--output``."""
     device = default_device()
@@ -136,6 +141,9 @@ def run_demo(args: argparse.Namespace) -> Dict[str, Any]:
     demo_grid(rows, images).save(png)
     settings = {"resolution": size, "steps": args.steps, "repeats": args.repeats, "seed": args.seed,
                 "prompt": args.prompt, "max_downsample": args.max_downsample, "batch_size": 1}
+    notes = [text for text in (single_run_note(rows), noise_warning(rows)) if text]
+    if any(row.get("merges_nothing") for row in rows):
+        notes.insert(0, TWIN_LEGEND)
     data = {
         "command": "demo",
         "source": prepared.source,
@@ -143,17 +151,17 @@ def run_demo(args: argparse.Namespace) -> Dict[str, Any]:
         "settings": settings,
         "results": rows,
         "unstable_runs": unstable_runs(rows),  # (each row's "speedup_range" says how far the noise reaches)
+        "warnings": notes,  # what the output printed under the table: one run, noisy runs, twins of vanilla
         "png": png,
     }
     path = os.path.join(args.output, "results.json")
     save_json(data, path)  # (PSNR of vanilla is inf: written as the string "inf", keeping the file valid JSON)
     env = data["environment"]
-    warning = noise_warning(rows)
-    warning = warning + "\n" if warning else ""
+    warning = "".join(text + "\n" for text in notes)
     noise = "" if args.model else "The images are noise: a preset has random weights (use --model for real images).\n"
     sys.stdout.write(
         f"ToMe demo: {prepared.source}, {size}x{size}, {args.steps} steps, {env['dtype']} on {env['device']} "
-        f"({prepared.threads} threads), median of {args.repeats} run(s)\n{format_demo_table(rows)}\n{DEMO_LEGEND}\n"
+        f"({prepared.threads} threads), {_runs(args.repeats)}\n{format_demo_table(rows)}\n{DEMO_LEGEND}\n"
         f"{warning}{noise}wrote {png} and {path}\n"
     )
     return data
@@ -195,7 +203,7 @@ def bench_summary(data: Dict[str, Any], cells, settings: BenchSettings, path: st
     kind = "one denoiser forward" if settings.unet_only else f"{settings.steps}-step pipeline call"
     lines = [
         f"ToMe bench: {data['source']}, {kind}, {env['dtype']} on {env['device']} ({env['threads']} threads), "
-        f"median of {settings.repeats}",
+        f"{_runs(settings.repeats)}",
         "seconds per image (speed-up vs vanilla):",
         format_grid_table(cells, method_list(settings)),
         "",
@@ -204,6 +212,9 @@ def bench_summary(data: Dict[str, Any], cells, settings: BenchSettings, path: st
         "speed-up vs fidelity to vanilla (Pareto: no other configuration is both faster and closer):",
         format_pareto(cells),
     ]
+    if any(merges_nothing(c) for c in cells):
+        lines.append(TWIN_LEGEND)
+    lines += data.get("warnings", [])
     if split:
         lines += ["", format_time_split(split)]
     lines.append(f"wrote {path}" + (f" and {len(data['plots'])} plots" if data["plots"] else ""))
@@ -235,7 +246,7 @@ def run_figure(args: argparse.Namespace) -> Dict[str, Any]:
     ToMeConfig(ratio=args.ratio)
     image, info = draw_plan_figure(ratio=args.ratio, grid=args.grid, seed=args.seed)
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-    image.save(args.output)
+    save_png(image, args.output)
     sys.stdout.write(
         f"{info['grid']}x{info['grid']} tokens, {info['dst']} dst, {info['merged']} merged at ratio {args.ratio:g}: "
         f"wrote {args.output}\n"

@@ -5,13 +5,14 @@ and legend, the PNG grid of images (:func:`image_grid`), and the warning when it
 
 from __future__ import annotations
 
-import statistics
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
-from PIL import Image, ImageDraw
+from PIL import Image
 
+from ..figure import side_by_side
 from ..measure import median, render_table
+from .report import TWIN, merges_nothing, speedup_range, spread_warning, unstable
 from .runner import Cell, RunOutputs
 
 MIB = 1024.0 * 1024.0
@@ -56,8 +57,29 @@ def demo_rows(cells: Sequence[Cell], outputs: Dict[str, RunOutputs]) -> List[Dic
             "psnr_db": cell.psnr_db,
             "runs_seconds": list(cell.runs_seconds),
             "speedup_range": list(speedup_range(cells[0].runs_seconds, cell.runs_seconds)),
+            "merges_nothing": merges_nothing(cell),  # vanilla's twin: its speed-up is shown as "= vanilla"
         })
     return rows
+
+
+def _speedup(row: Dict[str, Any]) -> str:
+    if row.get("merges_nothing"):
+        return TWIN
+    text = f"{row['speedup']:.2f}x"
+    return text + " (1 run)" if row["method"] != "vanilla" and len(row["runs_seconds"]) == 1 else text
+
+
+def single_run_note(rows: Sequence[Dict[str, Any]]) -> Optional[str]:
+    """The note under the table when every speed-up comes from one timed run (``--repeats 1``), else ``None``.
+
+    >>> single_run_note([{"method": "vanilla", "runs_seconds": [1.0]}, {"method": "tome", "runs_seconds": [0.9]}])[:40]
+    'NOTE: one timed run per method (--repeat'
+    """
+    if not any(row["method"] != "vanilla" and len(row["runs_seconds"]) == 1 for row in rows):
+        return None
+    return ("NOTE: one timed run per method (--repeats 1): each speed-up marked '1 run' is a single sample, not a "
+            "measurement; on a shared machine one run is often 20% off either way. Use --repeats 3 (the default) or "
+            "more before quoting a speed-up.")
 
 
 def format_demo_table(rows: List[Dict[str, Any]]) -> str:
@@ -71,7 +93,7 @@ def format_demo_table(rows: List[Dict[str, Any]]) -> str:
                 f"{row['ratio']:.2f}",
                 f"{row['seconds_per_image']:.2f}",
                 f"{row['unet_seconds']:.3f}",
-                f"{row['speedup']:.2f}x",
+                _speedup(row),
                 f"{row['peak_memory_bytes'] / MIB:.0f}",
                 f"{row['added_memory_bytes'] / MIB:.0f}",
                 f"{row['max_abs_diff']:.4f}",
@@ -82,15 +104,11 @@ def format_demo_table(rows: List[Dict[str, Any]]) -> str:
 
 
 def image_grid(tiles: Sequence[np.ndarray], labels: Sequence[str]) -> Image.Image:
-    """The images side by side (pixels in 0..1), each under a strip with its label."""
-    h, w = tiles[0].shape[:2]
-    strip = 14
-    canvas = Image.new("RGB", (w * len(tiles), h + strip), "white")
-    draw = ImageDraw.Draw(canvas)
-    for i, (tile, label) in enumerate(zip(tiles, labels)):
-        canvas.paste(Image.fromarray((np.clip(tile, 0, 1) * 255).round().astype("uint8")), (i * w, strip))
-        draw.text((i * w + 3, 1), label, fill="black")
-    return canvas
+    """The images side by side (pixels in 0..1), each under its label: :func:`~ppdiffusers_tome.figure.side_by_side`,
+    so images smaller than :data:`~ppdiffusers_tome.figure.MIN_TILE` px are enlarged (nearest neighbour) and the
+    labels stay readable."""
+    images = [Image.fromarray((np.clip(tile, 0, 1) * 255).round().astype("uint8")) for tile in tiles]
+    return side_by_side(images, labels)
 
 
 def demo_grid(rows: Sequence[Dict[str, Any]], images: Sequence[np.ndarray]) -> Image.Image:
@@ -108,38 +126,14 @@ def unstable_runs(rows: Sequence[Dict[str, Any]], tolerance: float = 0.25) -> Li
     ...                {"method": "tome", "ratio": 0.5, "runs_seconds": [0.5, 0.52, 0.51]}])
     ['vanilla 1.00-4.00 s']
     """
-    found = []
-    for row in rows:
-        runs = [float(t) for t in row["runs_seconds"]]
-        if len(runs) > 1 and (max(runs) - min(runs)) > tolerance * statistics.median(runs):
-            found.append(f"{demo_label(row['method'], row['ratio'])} {min(runs):.2f}-{max(runs):.2f} s")
-    return found
-
-
-def speedup_range(vanilla_runs: Sequence[float], runs: Sequence[float]) -> Tuple[float, float]:
-    """The lowest and highest speed-up that pairs of single runs give: ``min(vanilla_runs) / max(runs)`` (fastest
-    vanilla run against the slowest one) to ``max(vanilla_runs) / min(runs)``.
-
-    >>> speedup_range([1.0, 4.0], [1.5, 2.0])
-    (0.5, 2.6666666666666665)
-    """
-    return min(vanilla_runs) / max(runs), max(vanilla_runs) / min(runs)
+    return unstable([(demo_label(row["method"], row["ratio"]), row["runs_seconds"]) for row in rows], tolerance)
 
 
 def noise_warning(rows: Sequence[Dict[str, Any]], tolerance: float = 0.25) -> Optional[str]:
     """A warning for the demo's output when its timed runs varied by more than ``tolerance`` (see
-    :func:`unstable_runs`): the range each speed-up could take judged by single runs, and whether that range
-    includes 1.00x (then the speed-up is not meaningful). ``None`` when the runs agree. ``rows[0]`` is vanilla."""
-    spread = unstable_runs(rows, tolerance)
-    if not spread:
-        return None
-    ranges = [(demo_label(row["method"], row["ratio"]), *speedup_range(rows[0]["runs_seconds"], row["runs_seconds"]))
-              for row in rows[1:]]
-    between = ", ".join(f"{label} lies between {lo:.2f}x and {hi:.2f}x" for label, lo, hi in ranges)
-    text = (
-        f"WARNING: the timed runs varied a lot ({'; '.join(spread)}), so the machine was busy. Judged by single "
-        f"runs, the speed-up of {between}."
-    )
-    if any(lo <= 1.0 <= hi for _, lo, hi in ranges):
-        text += " Where that range includes 1.00x, the speed-up is not meaningful."
-    return text + " Run again on an idle machine, or with more --repeats."
+    :func:`unstable_runs` and :func:`~ppdiffusers_tome.bench.report.spread_warning`): the range each speed-up
+    could take judged by single runs, and whether that range includes 1.00x (then the speed-up is not
+    meaningful). ``None`` when the runs agree. ``rows[0]`` is vanilla."""
+    named = [(demo_label(row["method"], row["ratio"]), row["runs_seconds"]) for row in rows]
+    ranged = [name for (name, _), row in zip(named[1:], rows[1:]) if not row.get("merges_nothing")]
+    return spread_warning(named, tolerance, ranged=ranged)

@@ -9,7 +9,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from .report import pareto_front
+from .report import effective_speedup, merges_nothing, pareto_front
 from .runner import Cell
 
 _MIB = 2**20
@@ -33,7 +33,7 @@ def _save(plt: Any, fig: Any, ax: Any, path: str, xlabel: Optional[str], ylabel:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, metadata={"Software": None})  # the same bytes for the same plot
     plt.close(fig)
     return path
 
@@ -42,8 +42,8 @@ def _speedup_plot(plt: Any, ok: List[Cell], folder: str) -> str:
     fig, ax = plt.subplots(figsize=(5, 3.5))
     for size, batch in sorted({(c.resolution, c.batch) for c in ok}):
         for name in ("tome", "builtin", "bound"):
-            pts = sorted(
-                (c.ratio, c.speedup) for c in ok
+            pts = sorted(  # a configuration that merged nothing is vanilla: drawn at 1.0, whatever its timing
+                (c.ratio, effective_speedup(c)) for c in ok
                 if (c.resolution, c.batch, c.method) == (size, batch, name) and c.speedup and not c.options
             )
             if pts:
@@ -99,16 +99,22 @@ def write_plots(cells: List[Cell], split: Dict[str, Dict[str, float]], folder: s
 
 
 def _pareto_groups(cells: List[Cell]) -> Dict[Tuple[int, int], List[Cell]]:
+    """The points of each Pareto plot: every measured configuration but the bound and vanilla's twins."""
     groups: Dict[Tuple[int, int], List[Cell]] = {}
     for cell in cells:
-        if cell.status == "ok" and cell.speedup is not None and cell.method != "bound":
+        if cell.status == "ok" and cell.speedup is not None and cell.method != "bound" and not merges_nothing(cell):
             groups.setdefault((cell.resolution, cell.batch), []).append(cell)
     return groups
 
 
+def _twins(cells: List[Cell], size: int, batch: int) -> List[str]:
+    return [c.label for c in cells if (c.resolution, c.batch) == (size, batch) and merges_nothing(c)]
+
+
 def write_pareto_plot(cells: List[Cell], folder: str) -> List[str]:
     """Speed-up against fidelity (PSNR when the cells have images, else relative L2), one point per
-    configuration and one file per resolution x batch, the Pareto front joined by a line; returns the paths."""
+    configuration and one file per resolution x batch, the Pareto front joined by a line; a configuration that
+    merged nothing is named beside vanilla instead of drawn at its timing; returns the paths."""
     plt = _pyplot()
     paths: List[str] = []
     for (size, batch), group in _pareto_groups(cells).items():
@@ -121,13 +127,16 @@ def write_pareto_plot(cells: List[Cell], folder: str) -> List[str]:
                 return top if c.psnr_db == float("inf") else c.psnr_db
             return c.rel_l2 if c.rel_l2 is not None else float("nan")
 
+        twins = _twins(cells, size, batch)
         fig, ax = plt.subplots(figsize=(6, 4))
         front = sorted(pareto_front(group), key=lambda c: c.speedup)
         ax.plot([c.speedup for c in front], [y(c) for c in front], color="0.7", zorder=1, label="Pareto front")
         for c in group:
             colour = "tab:green" if c.method.startswith("todo") else "black" if c.method == "vanilla" else "tab:blue"
             ax.scatter([c.speedup], [y(c)], color=colour, zorder=2)
-            ax.annotate(c.label, (c.speedup, y(c)), fontsize=7, xytext=(4, 3), textcoords="offset points")
+            # a configuration that merged nothing is no point of its own: it is named beside vanilla
+            label = c.label if c.method != "vanilla" or not twins else f"vanilla = {', '.join(twins)}"
+            ax.annotate(label, (c.speedup, y(c)), fontsize=7, xytext=(4, 3), textcoords="offset points")
         ax.set_xlabel("speed-up vs vanilla")
         ax.set_ylabel("PSNR vs vanilla (dB; vanilla drawn at the top)" if use_psnr else "relative L2 to vanilla")
         if not use_psnr:
@@ -137,7 +146,7 @@ def write_pareto_plot(cells: List[Cell], folder: str) -> List[str]:
         ax.legend(fontsize=7, loc="lower left")
         fig.tight_layout()
         path = os.path.join(folder, f"pareto_{size}_b{batch}.png")
-        fig.savefig(path, dpi=110)
+        fig.savefig(path, dpi=110, metadata={"Software": None})  # the same bytes for the same plot
         plt.close(fig)
         paths.append(path)
     return paths

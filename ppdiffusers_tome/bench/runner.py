@@ -51,6 +51,10 @@ class Cell:
     merging_blocks: Optional[int] = None  # transformer blocks that ran on fewer tokens in that forward
     ops_per_block: Optional[float] = None  # (ops - vanilla's ops) / merging_blocks
     attention: str = ""  # attention processor the cell ran with
+    # sub-layer calls of the last timed run that ran on merged (or, with ToDo, downsampled) tokens; 0: the
+    # configuration merged nothing, so it computed exactly what vanilla computes; None: not counted (vanilla, or a
+    # method that is not this package's patch, such as ppdiffusers' built-in port)
+    merges: Optional[int] = None
 
 
 @dataclass
@@ -124,11 +128,14 @@ class Runner:
         finally:
             handle.remove()
             timer.remove()
-        computed, reused = (a - b for a, b in zip(self._plan_counts(), before))
+        after = self._plan_counts()
+        computed, reused = after[0] - before[0], after[1] - before[1]
+        merges = None if after[2] is None or before[2] is None else after[2] - before[2]
         noise = first_output[0].astype("float32").numpy().astype(np.float64) if first_output else None
         return dict(
             seconds=seconds,
             reused_share=reused / (computed + reused) if computed + reused else None,
+            merges=merges,
             forward_seconds=timer.seconds[1:] or timer.seconds,
             memory=mem,
             noise=noise,
@@ -147,9 +154,11 @@ class Runner:
 
         return count_forward_ops(run, models, warmup=0)
 
-    def _plan_counts(self) -> Tuple[int, int]:
-        stats = api.tome_stats(self.pipe).values()
-        return sum(v["plans_computed"] for v in stats), sum(v["plans_reused"] for v in stats)
+    def _plan_counts(self) -> Tuple[int, int, Optional[int]]:
+        """Plans computed and reused, and sub-layer merges (``None`` when no model carries this package's patch)."""
+        stats = list(api.tome_stats(self.pipe).values())
+        merges = sum(v["merges"] for v in stats) if stats else None
+        return sum(v["plans_computed"] for v in stats), sum(v["plans_reused"] for v in stats), merges
 
     def _inputs(self, size: int, batch: int) -> DenoiserInputs:
         key = (size, batch)
@@ -201,6 +210,7 @@ class Runner:
     def _keep(self, cell: Cell, result: Dict[str, Any]) -> None:
         cell.runs_seconds.append(result["seconds"])
         cell.plans_reused_share = result["reused_share"]
+        cell.merges = result["merges"]
         kept = self.outputs.setdefault(cell.label, RunOutputs())
         kept.forward_seconds.append(result["forward_seconds"])
         if kept.memory is None or result["memory"].peak_bytes > kept.memory.peak_bytes:
