@@ -37,6 +37,7 @@ from .merge import (
     LocalMergePlan,
     MergePlan,
     bipartite_soft_matching_random2d,
+    converting,
     find_downsample,
     window_sides,
 )
@@ -219,6 +220,8 @@ class ModelPatch:
         grid = self._grid_if_merging(hidden)
         if grid is None:
             return None
+        if self.state.reads_timestep and converting():
+            self.state.refuse_conversion()
         _, grid_h, grid_w = grid
         if self.config.min_tokens and self._below_min_tokens(hidden):
             self.state.blocks_skipped += 1
