@@ -345,9 +345,6 @@ def _dst_flags(tables: Dict[str, paddle.Tensor], step: paddle.Tensor, seed: int,
     return paddle.equal(paddle.gather(slot, tables["cell_of"], axis=1), tables["slot_of"]).astype("int32")
 
 
-SEED_LIMIT = 1 << 64  # seeds are integers in [0, SEED_LIMIT)
-
-
 def _seed_salt(seed: int) -> int:
     """The 31-bit salt of a partition seed, made from all of its bits: one-to-one on ``[0, 2**31)`` (and equal to
     the salt of releases up to 0.4.0 below ``2**29``); each further 31-bit chunk of a larger seed is mixed in with
