@@ -71,6 +71,35 @@ def _positional_index(model: Any, name: str, default: int) -> int:
     return names.index(name) if name in names else default
 
 
+def _finest_block_level(model: Any, blocks: List[Tuple[str, Any]]) -> Optional[int]:
+    """The smallest downsampling factor at which any of ``blocks`` runs, read from the model's structure (a UNet's
+    or ControlNet's ``down_blocks``/``mid_block``/``up_blocks`` and their down/upsamplers), over the whole model:
+    for a UNet whose 1x transformer blocks are only in the up path it is 1 although the down path reaches its
+    first transformer block at 2x. None when the structure is not of that kind (then the finest level seen so far
+    in the call decides)."""
+    downs = getattr(model, "down_blocks", None)
+    if not isinstance(downs, paddle.nn.LayerList):
+        return None
+    level, levels = 1, {}
+    for i, block in enumerate(downs):
+        levels[f"down_blocks.{i}."] = level
+        if getattr(block, "downsamplers", None):
+            level *= 2
+    levels["mid_block."] = level
+    ups = getattr(model, "up_blocks", None)
+    for i, block in enumerate(ups if isinstance(ups, paddle.nn.LayerList) else []):
+        levels[f"up_blocks.{i}."] = level
+        if getattr(block, "upsamplers", None):
+            level = max(level // 2, 1)
+    found = []
+    for name, _ in blocks:
+        matches = [value for prefix, value in levels.items() if name.startswith(prefix)]
+        if not matches:
+            return None  # a transformer block outside the known structure: decide at run time
+        found.append(matches[0])
+    return min(found) if found else None
+
+
 class ModelPatch:
     """ToMe installed on one model (a UNet or one ControlNet). Create with :meth:`install`, undo with :meth:`remove`.
 
@@ -94,6 +123,7 @@ class ModelPatch:
         self.blocks: List[BlockHooks] = []
         self._hooks: List[HookRecord] = []
         self.auto_level = config.max_downsample == "auto"
+        self.auto_finest: Optional[int] = None  # with "auto": the finest block level of the model, when known
         self.todo = config.method == "todo"
         self.fixed_ratio = None if config.is_scheduled else config.ratio
         self.caches = config.caches_plans  # (Paddle's SOT tracer cannot call dataclass properties)
@@ -121,6 +151,8 @@ class ModelPatch:
         return patch
 
     def _register(self, blocks) -> None:
+        if self.auto_level and self.patch_size is None:
+            self.auto_finest = _finest_block_level(self.model, blocks)
         add = self._hooks.append
         add(HookRecord(self.model, "pre", self, "_before_model"))
         add(HookRecord(self.model, "post", self, "_after_model"))
@@ -258,7 +290,10 @@ class ModelPatch:
         if grid is None:
             return None
         finest = self.state.saw_level(grid[0])
-        # "auto": the finest level with transformer blocks, which is the first one a UNet's down path reaches
+        # "auto": the finest level with transformer blocks over the whole model (from its structure), else the
+        # finest one seen so far in this call, which is the first one a UNet's down path reaches
+        if self.auto_level and self.auto_finest is not None:
+            finest = self.auto_finest
         return grid if grid[0] <= (finest if self.auto_level else self.config.max_downsample) else None
 
     def _ratio_now(self) -> float:

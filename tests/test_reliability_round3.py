@@ -55,3 +55,35 @@ def test_a_non_finite_timestep_with_a_ratio_schedule_is_a_clear_error():
     with pytest.raises(ValueError, match="timestep that is not finite"):
         forward(unet, sample, float("nan"), context)
     assert np.isfinite(forward(unet, sample, paddle.to_tensor([True, True]), context)).all()
+
+
+# item 11 --------------------------------------------------------------------------------------------------------
+def test_auto_merges_only_at_the_finest_level_of_the_whole_model_when_it_is_only_in_the_up_path():
+    """The down path reaches its first transformer block at 2x; the 1x blocks are in the up path only. "auto" is
+    the finest level with transformer blocks over the whole model (ToMeConfig's docstring): only the 1x blocks
+    merge, not the 2x ones too."""
+    unet = tiny_unet(
+        block_out_channels=(32, 32),
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
+    )
+    merged_tokens = {}
+
+    def record(name):
+        def hook(layer, args):
+            merged_tokens[name] = args[0].shape[1]
+
+        return hook
+
+    for name, block in ppdiffusers_tome.patch.find_blocks(unet):
+        block.attn1.to_q.register_forward_pre_hook(record(name))  # inside attn1: sees the merged tokens
+    unet.apply_tome(ratio=0.5)
+    inputs = unet_inputs(unet)  # a 16 x 16 latent: 256 tokens at 1x, 64 at 2x
+    forward(unet, *inputs)
+    fine = {name for name in merged_tokens if name.startswith("up_blocks.1.")}
+    assert fine and all(merged_tokens[name] == 128 for name in fine)  # 1x blocks merged half of their 256 tokens
+    assert all(tokens == 64 for name, tokens in merged_tokens.items() if name not in fine)  # 2x blocks: all 64
+    assert ppdiffusers_tome.tome_stats(unet)["UNet2DConditionModel"]["merges"] == len(fine)
+    unet.apply_tome(ratio=0.5, max_downsample=2)  # asking for 2x still merges there
+    forward(unet, *inputs)
+    assert all(tokens == 32 for name, tokens in merged_tokens.items() if name not in fine)
