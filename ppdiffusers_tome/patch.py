@@ -128,6 +128,9 @@ class ModelPatch:
         self.fixed_ratio = None if config.is_scheduled else config.ratio
         self.caches = config.caches_plans  # (Paddle's SOT tracer cannot call dataclass properties)
         self.share_level = config.share_plan == "level"
+        # with every sub-layer switched off nothing would run on merged tokens: then nothing is planned either
+        self.merges_something = self.todo or config.merge_attn or config.merge_crossattn or config.merge_mlp
+        self.grid_without_cells: Optional[Tuple[int, int]] = None  # a grid too small for one sy x sx cell
         # transformer-only models (DiT, PixArt-alpha): the token grid is the patch grid
         patch_size = getattr(model, "patch_size", None) if getattr(model, "is_input_patches", False) else None
         self.patch_size: Optional[int] = int(patch_size) if patch_size else None
@@ -148,6 +151,14 @@ class ModelPatch:
             patch._remove_hooks()
             raise
         model.__dict__[PATCH_ATTR] = patch
+        if not patch.merges_something:
+            warnings.warn(
+                f"ToMe will change nothing in {type(model).__name__}: merge_attn, merge_crossattn and merge_mlp are "
+                "all False, so no sub-layer runs on merged tokens (and no merge is planned). Enable one of them "
+                "(merge_attn=True is the paper's setting) or remove ToMe.",
+                UserWarning,
+                stacklevel=3,
+            )
         return patch
 
     def _register(self, blocks) -> None:
@@ -211,7 +222,8 @@ class ModelPatch:
         state, config = self.state, self.config
         completed = output is not None  # None when the forward raised (Paddle runs this hook anyway)
         state.end_call(completed)
-        if completed and state.merged_blocks == 0 and self.fixed_ratio != 0 and not state.warned_no_merge and self.blocks:
+        warn = self.blocks and self.merges_something  # (merging nothing by configuration was said at apply)
+        if completed and state.merged_blocks == 0 and self.fixed_ratio != 0 and not state.warned_no_merge and warn:
             level, name = state.finest_level, "ToDo" if self.todo else "ToMe"
             message = None
             if level is None:
@@ -219,6 +231,13 @@ class ModelPatch:
                     f"{name} changed nothing in {type(self.model).__name__}: no transformer block's tokens form the "
                     f"{'patch' if self.patch_size else 'latent'} grid of the input (a layout this package does "
                     "not know, such as video frames folded into the tokens)."
+                )
+            elif self.grid_without_cells is not None and (self.auto_level or level <= config.max_downsample):
+                grid_h, grid_w = self.grid_without_cells
+                message = (
+                    f"ToMe merged no tokens in {type(self.model).__name__}: its {grid_h}x{grid_w} token grid holds no "
+                    f"sy x sx = {config.sy}x{config.sx} cell, so there is no dst token to merge into (nothing was "
+                    "planned). Use smaller sx and sy (2 is the paper's setting) for latents this small."
                 )
             elif not self.auto_level and level > config.max_downsample:
                 message = (
@@ -249,6 +268,8 @@ class ModelPatch:
 
     def plan_for(self, block_index: int, hidden: Any) -> Optional[MergePlan]:
         """The merge plan of one block call, or None when this block does not merge in this call."""
+        if not self.merges_something:
+            return None
         grid = self._grid_if_merging(hidden)
         if grid is None:
             return None
@@ -257,6 +278,9 @@ class ModelPatch:
         _, grid_h, grid_w = grid
         if self.config.min_tokens and self._below_min_tokens(hidden):
             self.state.blocks_skipped += 1
+            return None
+        if not self.todo and grid_h // self.config.sy * (grid_w // self.config.sx) == 0:
+            self.grid_without_cells = (grid_h, grid_w)  # no dst at all: an identity, not worth planning
             return None
         if self.todo:
             config = self.config

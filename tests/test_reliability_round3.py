@@ -87,3 +87,44 @@ def test_auto_merges_only_at_the_finest_level_of_the_whole_model_when_it_is_only
     unet.apply_tome(ratio=0.5, max_downsample=2)  # asking for 2x still merges there
     forward(unet, *inputs)
     assert all(tokens == 32 for name, tokens in merged_tokens.items() if name not in fine)
+
+
+# item 12 --------------------------------------------------------------------------------------------------------
+def stats(unet):
+    return ppdiffusers_tome.tome_stats(unet)["UNet2DConditionModel"]
+
+
+def test_strides_larger_than_the_grid_warn_once_and_plan_nothing():
+    unet = tiny_unet()
+    inputs = unet_inputs(unet)  # a 16 x 16 latent: no 32 x 32 cell anywhere
+    vanilla = forward(unet, *inputs)
+    unet.apply_tome(ratio=0.5, sx=32, sy=32)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        outputs = [forward(unet, *inputs) for _ in range(2)]
+    messages = [str(w.message) for w in caught if "merged no tokens" in str(w.message)]
+    assert len(messages) == 1 and "16x16 token grid holds no sy x sx = 32x32 cell" in messages[0], messages
+    for output in outputs:
+        np.testing.assert_array_equal(output, vanilla)
+    assert stats(unet)["plans_computed"] == 0 and stats(unet)["merges"] == 0
+    unet.apply_tome(ratio=0.5, sx=8, sy=8)  # cells fit the 1x grid: merges, no warning
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert np.abs(forward(unet, *inputs) - vanilla).max() > 1e-4
+    assert not [w for w in caught if "merged no tokens" in str(w.message)]
+    assert stats(unet)["plans_computed"] > 0
+
+
+def test_no_sub_layer_enabled_warns_once_at_apply_and_plans_nothing():
+    unet = tiny_unet()
+    inputs = unet_inputs(unet)
+    vanilla = forward(unet, *inputs)
+    with pytest.warns(UserWarning, match="merge_attn, merge_crossattn and merge_mlp are all False"):
+        unet.apply_tome(ratio=0.5, merge_attn=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        outputs = [forward(unet, *inputs) for _ in range(2)]
+    assert not [w for w in caught if "ToMe" in str(w.message)]  # said once, at apply
+    for output in outputs:
+        np.testing.assert_array_equal(output, vanilla)
+    assert stats(unet)["plans_computed"] == 0 and stats(unet)["calls"] == 2
