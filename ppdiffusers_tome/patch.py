@@ -25,6 +25,7 @@ import inspect
 import logging
 import math
 import warnings
+import weakref
 from typing import Any, List, Optional, Tuple
 
 import paddle
@@ -69,6 +70,17 @@ def _positional_index(model: Any, name: str, default: int) -> int:
     except (TypeError, ValueError):
         return default
     return names.index(name) if name in names else default
+
+
+class _ReplayPlans(dict):
+    """Plans kept for the recomputation of checkpointed blocks (see :meth:`ModelPatch.keep_for_recompute`): they
+    belong to one process's autograd graph, so a copy or a pickle of the patch starts without them."""
+
+    def __reduce__(self):
+        return (_ReplayPlans, ())
+
+    def __deepcopy__(self, memo) -> "_ReplayPlans":
+        return _ReplayPlans()
 
 
 def _finest_block_level(model: Any, blocks: List[Tuple[str, Any]]) -> Optional[int]:
@@ -131,6 +143,10 @@ class ModelPatch:
         # with every sub-layer switched off nothing would run on merged tokens: then nothing is planned either
         self.merges_something = self.todo or config.merge_attn or config.merge_crossattn or config.merge_mlp
         self.grid_without_cells: Optional[Tuple[int, int]] = None  # a grid too small for one sy x sx cell
+        # gradient checkpointing: the plan of every checkpointed block call, for its recomputation in backward
+        self._checkpoint_owners: List[Any] = []  # block index -> the layer whose gradient_checkpointing covers it
+        self._replay = _ReplayPlans()  # (block index, id(input)) -> (weak reference to the input, plan, call number)
+        self.keeps_plans = False  # whether any block sits in a layer that can checkpoint it
         # transformer-only models (DiT, PixArt-alpha): the token grid is the patch grid
         patch_size = getattr(model, "patch_size", None) if getattr(model, "is_input_patches", False) else None
         self.patch_size: Optional[int] = int(patch_size) if patch_size else None
@@ -164,6 +180,10 @@ class ModelPatch:
     def _register(self, blocks) -> None:
         if self.auto_level and self.patch_size is None:
             self.auto_finest = _finest_block_level(self.model, blocks)
+        layers = dict(self.model.named_sublayers(include_self=True))
+        self._checkpoint_owners = [layers.get(name.rsplit(".transformer_blocks.", 1)[0]) if ".transformer_blocks." in
+                                   name else None for name, _ in blocks]
+        self.keeps_plans = any(owner is not None for owner in self._checkpoint_owners)
         add = self._hooks.append
         add(HookRecord(self.model, "pre", self, "_before_model"))
         add(HookRecord(self.model, "post", self, "_after_model"))
@@ -296,6 +316,32 @@ class ModelPatch:
         if plan is not None and self.share_level:
             state.share_plan(tokens, plan)
         return plan
+
+    # gradient checkpointing -----------------------------------------------------------------------------------
+    # ppdiffusers' checkpointing (recompute without re-entrance) runs a block's forward again during backward and
+    # expects it to save exactly the tensors the first run saved. That second run comes after the model's call has
+    # ended, so without help it would not merge at all (and Paddle fails: "Not supported to retrieve a tensor saved
+    # by autograd multiple times ..."). The plan of each checkpointed block call is kept, keyed by the block's input
+    # tensor (the recomputation gets the same tensor object), and the recomputation merges with it again: the same
+    # operations, hence the same gradients as without checkpointing.
+    def keep_for_recompute(self, block_index: int, hidden: Any, plan: Any) -> None:
+        """Keep ``plan`` for the recomputation of this block call when gradient checkpointing covers it."""
+        owner = self._checkpoint_owners[block_index] if block_index < len(self._checkpoint_owners) else None
+        if owner is None or not getattr(owner, "gradient_checkpointing", False):
+            return
+        if not isinstance(hidden, paddle.Tensor) or hidden.stop_gradient or not paddle.is_grad_enabled():
+            return
+        calls = self.state.calls
+        for key in [k for k, (ref, _, call) in self._replay.items() if ref() is None or call < calls - 1]:
+            del self._replay[key]  # inputs gone, or calls before the previous one: their backward is over
+        self._replay[(block_index, id(hidden))] = (weakref.ref(hidden), plan, calls)
+
+    def replayed_plan(self, block_index: int, hidden: Any) -> Any:
+        """The plan a checkpointed block call used, when this is its recomputation in backward (else None)."""
+        entry = self._replay.pop((block_index, id(hidden)), None) if self._replay else None
+        if entry is None or entry[0]() is not hidden:
+            return None
+        return entry[1]
 
     def _below_min_tokens(self, hidden: Any) -> bool:
         batch = hidden.shape[0]
