@@ -150,8 +150,9 @@ class ToMeConfig:
         merge_attn: merge before self-attention (attn1).
         merge_crossattn: merge before cross-attention (attn2).
         merge_mlp: merge before the feed-forward layer (ff).
-        seed: base seed of ToMe's own random partition (an integer >= 0). The partition of a block is a pure
-            function of (seed, block, timestep, grid size), so identical calls give identical images.
+        seed: base seed of ToMe's own random partition (an integer >= 0 of any size; every bit of it counts). The
+            partition of a block is a pure function of (seed, block, timestep, grid size), so identical calls give
+            identical images.
         method: ``"tome"`` (merge, run, unmerge) or ``"todo"`` (ToDo: every query stays; only the keys and values
             of self-attention are downsampled on the token grid, so nothing is matched or unmerged). ToDo does not
             use ``ratio``, ``sx``, ``sy``, ``use_rand`` or ``recompute_every``; they are only checked for their

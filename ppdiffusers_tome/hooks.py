@@ -126,9 +126,15 @@ class BlockHooks:
 
     def before(self, layer, args, kwargs):
         hidden = args[0] if args else kwargs.get("hidden_states")
-        plan = self.patch.plan_for(self.index, hidden)
+        patch = self.patch
+        if patch.state.latent_hw is None:  # no call in flight: a checkpointed block recomputed during backward
+            plan = patch.replayed_plan(self.index, hidden)
+        else:
+            plan = patch.plan_for(self.index, hidden)
+            if plan is not None and patch.keeps_plans:
+                patch.keep_for_recompute(self.index, hidden, plan)
         if plan is not None:
-            self.patch.state.set_plan(self.index, plan)
+            patch.state.set_plan(self.index, plan)
         return None
 
     def after(self, layer, args, kwargs, output):

@@ -54,6 +54,7 @@ __all__ = [
     "MergePlan",
     "bipartite_soft_matching_random2d",
     "compute_dtype",
+    "converting",
     "device_kind",
     "downsample_tokens",
     "find_downsample",
@@ -106,15 +107,37 @@ def max_ratio(sx: int, sy: int) -> float:
     return 1.0 - 1.0 / (sx * sy)
 
 
+try:
+    from paddle.base.dygraph.base import in_sot_simulation_mode as _in_sot_simulation
+    from paddle.base.dygraph.base import in_to_static_mode as _in_to_static
+except ImportError:  # pragma: no cover - older Paddle
+    _in_sot_simulation = _in_to_static = None
+
+
 def tracing() -> bool:
-    """Whether this code is being converted to a static graph (``paddle.jit.to_static``) rather than run eagerly."""
+    """Whether this code is being converted to a static graph (``paddle.jit.to_static``) rather than run eagerly.
+
+    In the default SOT mode Paddle simulates the bytecode and answers ``in_sot_simulation_mode()`` with True; the
+    functions are imported once at module level, since an ``import`` statement inside the simulation breaks the
+    graph and would run this check natively (where it says False)."""
     if not paddle.in_dynamic_mode():
         return True
-    try:
-        from paddle.base.dygraph.base import in_sot_simulation_mode, in_to_static_mode
-    except ImportError:  # pragma: no cover - older Paddle
+    if _in_to_static is None:  # pragma: no cover - older Paddle
         return False
-    return bool(in_to_static_mode() or in_sot_simulation_mode())
+    return bool(_in_to_static() or _in_sot_simulation())
+
+
+def converting() -> bool:
+    """Whether this call runs under ``paddle.jit.to_static`` in any form: traced (:func:`tracing`), or run as plain
+    Python inside a call that Paddle's SOT mode is translating (the parts it cannot trace, after a graph break, run
+    eagerly on real tensors, where :func:`tracing` says False)."""
+    if tracing():
+        return True
+    try:
+        from paddle.jit.sot.utils.utils import StepInfoManager
+    except ImportError:  # pragma: no cover - Paddle without SOT
+        return False
+    return getattr(StepInfoManager(), "current_code", None) is not None
 
 
 def device_kind(x: Any = None) -> str:
@@ -318,15 +341,27 @@ def step_key(timestep: Any) -> paddle.Tensor:
     True
     """
     if timestep is None or isinstance(timestep, (int, float, np.integer, np.floating)):
-        value = 0 if timestep is None else int(round(float(timestep) * 1024)) & _MASK31
-        return paddle.full([], value, dtype="int64")
+        return paddle.full([], _host_step_key(timestep), dtype="int64")
     c = _hash_constants()
+    if _dtype_name(timestep.dtype) == "bool":  # (Paddle has no max kernel for bool)
+        timestep = timestep.astype("int64")
     t = timestep.max()
     if _dtype_name(t.dtype) in ("int64", "int32"):
         t = t.astype("int64") * 1024
     else:
         t = (t.astype("float64") * 1024.0).round().astype("int64")
     return paddle.bitwise_and(t, c["mask"])
+
+
+def _host_step_key(timestep: Any) -> int:
+    """:func:`step_key` of a Python number (or ``None``): NaN and infinities, which the model itself accepts, key
+    as 0 like ``None`` instead of failing to become an integer."""
+    if timestep is None:
+        return 0
+    if isinstance(timestep, (int, np.integer)) and not isinstance(timestep, bool):
+        return (int(timestep) * 1024) & _MASK31
+    value = float(timestep)
+    return int(round(value * 1024)) & _MASK31 if math.isfinite(value) else 0
 
 
 class _Grid:
@@ -408,8 +443,26 @@ def _dst_flags(tables: Dict[str, paddle.Tensor], step: paddle.Tensor, seed: int,
     return paddle.equal(paddle.gather(slot, tables["cell_of"], axis=1), tables["slot_of"]).astype("int32")
 
 
+def _seed_salt(seed: int) -> int:
+    """The 31-bit salt of a partition seed, made from all of its bits: one-to-one on ``[0, 2**31)`` (and equal to
+    the salt of releases up to 0.4.0 below ``2**29``); each further 31-bit chunk of a larger seed is mixed in with
+    the integer hash, so seeds that differ in any bit give different partitions (up to chance collisions)."""
+    seed = int(seed)
+    low = seed & _MASK31
+    # _W_SEED is a multiple of 4, so low * _W_SEED alone would repeat every 2**29: the top two bits fill the gap
+    salt = (low * _W_SEED + (low >> 29)) & _MASK31
+    high = seed >> 31
+    while high:
+        salt = _mix31_int(salt ^ (high & _MASK31) ^ 0x2545F491)
+        high >>= 31
+    return salt
+
+
 def _block_salts(seed: int, rows: int) -> np.ndarray:
-    return np.array([[(seed * _W_SEED + b * _W_BLOCK) & _MASK31] for b in range(rows)], dtype=np.int64)
+    """``[rows, 1]`` int64: the salt of every block's row for ``seed``. (No comprehension: Paddle's SOT tracer
+    cannot follow its closure cells.)"""
+    blocks = np.arange(rows, dtype=np.int64) * _W_BLOCK  # < 2**62
+    return ((blocks + _seed_salt(seed)) & _MASK31).reshape([rows, 1])
 
 
 def _generator_seed(generator: GeneratorLike) -> int:
@@ -899,11 +952,19 @@ def window_sides(h: int, w: int, window: int, sx: int = 2, sy: int = 2) -> Tuple
     ((16, 16), (16, 18), (13, 67))
     """
 
-    def side(n: int, stride: int) -> int:
-        fits = [d for d in range(stride, n + 1) if n % d == 0] or [n]
-        return min(fits, key=lambda d: (abs(math.log(d / window)), -d))
+    return _window_side(int(h), int(sy), int(window)), _window_side(int(w), int(sx), int(window))
 
-    return side(int(h), int(sy)), side(int(w), int(sx))
+
+def _window_side(n: int, stride: int, window: int) -> int:
+    """One axis of :func:`window_sides`. (A plain loop: Paddle's SOT tracer cannot follow the closure cells of a
+    nested function or a comprehension.)"""
+    best, best_key = n, None
+    for d in range(stride, n + 1):
+        if n % d == 0:
+            key = (abs(math.log(d / window)), -d)
+            if best_key is None or key < best_key:
+                best, best_key = d, key
+    return best
 
 
 class _Windows:
@@ -1079,7 +1140,7 @@ class LocalMergePlan(MergePlan):
 
     def merge(self, x: paddle.Tensor, mode: str = "mean") -> paddle.Tensor:
         if self.kind != "gpu" or self.is_identity:
-            return super().merge(x, mode)
+            return MergePlan.merge(self, x, mode)  # (not super(): SOT cannot read attributes through it)
         if mode != "mean":
             raise ValueError(f"a dense local plan only averages (mode='mean'); got {mode!r}")
         self._check(x, self.num_tokens, "merge")
@@ -1090,7 +1151,7 @@ class LocalMergePlan(MergePlan):
 
     def unmerge(self, y: paddle.Tensor) -> paddle.Tensor:
         if self.kind != "gpu" or self.is_identity:
-            return super().unmerge(y)
+            return MergePlan.unmerge(self, y)
         self._check(y, self.merged_tokens, "unmerge")
         win, channels = self.windows, y.shape[-1]
         rows = y.reshape([-1, win.size - self.window_r, channels])
@@ -1168,15 +1229,14 @@ class DownsamplePlan:
         self.num_tokens, self.batch_size = int(num_tokens), int(batch_size)
         self.grid_h, self.grid_w, self.factor, self.mode = int(grid_h), int(grid_w), int(factor), mode
 
+        # a plain attribute, not a property: Paddle's SOT tracer cannot read properties of this object
+        self.is_identity = self.factor <= 1
+
     def __repr__(self) -> str:
         return (
             f"DownsamplePlan(batch_size={self.batch_size}, grid={self.grid_h}x{self.grid_w}, "
             f"factor={self.factor}, mode={self.mode!r})"
         )
-
-    @property
-    def is_identity(self) -> bool:
-        return self.factor <= 1
 
     @property
     def kv_tokens(self) -> int:

@@ -31,6 +31,7 @@ import logging
 import math
 import threading
 import warnings
+import weakref
 from typing import Any, List, Optional, Tuple
 
 import paddle
@@ -43,6 +44,7 @@ from .merge import (
     LocalMergePlan,
     MergePlan,
     bipartite_soft_matching_random2d,
+    converting,
     find_downsample,
     window_sides,
 )
@@ -86,6 +88,46 @@ def _positional_index(model: Any, name: str, default: int) -> int:
     return names.index(name) if name in names else default
 
 
+class _ReplayPlans(dict):
+    """Plans kept for the recomputation of checkpointed blocks (see :meth:`ModelPatch.keep_for_recompute`): they
+    belong to one process's autograd graph, so a copy or a pickle of the patch starts without them."""
+
+    def __reduce__(self):
+        return (_ReplayPlans, ())
+
+    def __deepcopy__(self, memo) -> "_ReplayPlans":
+        return _ReplayPlans()
+
+
+def _finest_block_level(model: Any, blocks: List[Tuple[str, Any]]) -> Optional[int]:
+    """The smallest downsampling factor at which any of ``blocks`` runs, read from the model's structure (a UNet's
+    or ControlNet's ``down_blocks``/``mid_block``/``up_blocks`` and their down/upsamplers), over the whole model:
+    for a UNet whose 1x transformer blocks are only in the up path it is 1 although the down path reaches its
+    first transformer block at 2x. None when the structure is not of that kind (then the finest level seen so far
+    in the call decides)."""
+    downs = getattr(model, "down_blocks", None)
+    if not isinstance(downs, paddle.nn.LayerList):
+        return None
+    level, levels = 1, {}
+    for i, block in enumerate(downs):
+        levels[f"down_blocks.{i}."] = level
+        if getattr(block, "downsamplers", None):
+            level *= 2
+    levels["mid_block."] = level
+    ups = getattr(model, "up_blocks", None)
+    for i, block in enumerate(ups if isinstance(ups, paddle.nn.LayerList) else []):
+        levels[f"up_blocks.{i}."] = level
+        if getattr(block, "upsamplers", None):
+            level = max(level // 2, 1)
+    found = []
+    for name, _ in blocks:
+        matches = [value for prefix, value in levels.items() if name.startswith(prefix)]
+        if not matches:
+            return None  # a transformer block outside the known structure: decide at run time
+        found.append(matches[0])
+    return min(found) if found else None
+
+
 class ModelPatch:
     """ToMe installed on one model (a UNet or one ControlNet). Create with :meth:`install`, undo with :meth:`remove`.
 
@@ -110,10 +152,18 @@ class ModelPatch:
         self._hooks: List[HookRecord] = []
         self.installed = False  # True from install to remove
         self.auto_level = config.max_downsample == "auto"
+        self.auto_finest: Optional[int] = None  # with "auto": the finest block level of the model, when known
         self.todo = config.method == "todo"
         self.fixed_ratio = None if config.is_scheduled else config.ratio
         self.caches = config.caches_plans  # (Paddle's SOT tracer cannot call dataclass properties)
         self.share_level = config.share_plan == "level"
+        # with every sub-layer switched off nothing would run on merged tokens: then nothing is planned either
+        self.merges_something = self.todo or config.merge_attn or config.merge_crossattn or config.merge_mlp
+        self.grid_without_cells: Optional[Tuple[int, int]] = None  # a grid too small for one sy x sx cell
+        # gradient checkpointing: the plan of every checkpointed block call, for its recomputation in backward
+        self._checkpoint_owners: List[Any] = []  # block index -> the layer whose gradient_checkpointing covers it
+        self._replay = _ReplayPlans()  # (block index, id(input)) -> (weak reference to the input, plan, call number)
+        self.keeps_plans = False  # whether any block sits in a layer that can checkpoint it
         # transformer-only models (DiT, PixArt-alpha): the token grid is the patch grid
         patch_size = getattr(model, "patch_size", None) if getattr(model, "is_input_patches", False) else None
         self.patch_size: Optional[int] = int(patch_size) if patch_size else None
@@ -137,9 +187,23 @@ class ModelPatch:
                 patch._remove_hooks()
                 raise
             patch.installed = True
+            if not patch.merges_something:
+                warnings.warn(
+                    f"ToMe will change nothing in {type(model).__name__}: merge_attn, merge_crossattn and merge_mlp are "
+                    "all False, so no sub-layer runs on merged tokens (and no merge is planned). Enable one of them "
+                    "(merge_attn=True is the paper's setting) or remove ToMe.",
+                    UserWarning,
+                    stacklevel=3,
+                )
         return patch
 
     def _register(self, blocks) -> None:
+        if self.auto_level and self.patch_size is None:
+            self.auto_finest = _finest_block_level(self.model, blocks)
+        layers = dict(self.model.named_sublayers(include_self=True))
+        self._checkpoint_owners = [layers.get(name.rsplit(".transformer_blocks.", 1)[0]) if ".transformer_blocks." in
+                                   name else None for name, _ in blocks]
+        self.keeps_plans = any(owner is not None for owner in self._checkpoint_owners)
         add = self._hooks.append
         add(HookRecord(self.model, "pre", self, "_before_model"))
         add(HookRecord(self.model, "post", self, "_after_model"))
@@ -216,7 +280,8 @@ class ModelPatch:
         state, config = self.state, self.config
         completed = output is not None  # None when the forward raised (Paddle runs this hook anyway)
         state.end_call(completed)
-        if completed and state.merged_blocks == 0 and self.fixed_ratio != 0 and not state.warned_no_merge and self.blocks:
+        warn = self.blocks and self.merges_something  # (merging nothing by configuration was said at apply)
+        if completed and state.merged_blocks == 0 and self.fixed_ratio != 0 and not state.warned_no_merge and warn:
             level, name = state.finest_level, "ToDo" if self.todo else "ToMe"
             message = None
             if level is None:
@@ -224,6 +289,13 @@ class ModelPatch:
                     f"{name} changed nothing in {type(self.model).__name__}: no transformer block's tokens form the "
                     f"{'patch' if self.patch_size else 'latent'} grid of the input (a layout this package does "
                     "not know, such as video frames folded into the tokens)."
+                )
+            elif self.grid_without_cells is not None and (self.auto_level or level <= config.max_downsample):
+                grid_h, grid_w = self.grid_without_cells
+                message = (
+                    f"ToMe merged no tokens in {type(self.model).__name__}: its {grid_h}x{grid_w} token grid holds no "
+                    f"sy x sx = {config.sy}x{config.sx} cell, so there is no dst token to merge into (nothing was "
+                    "planned). Use smaller sx and sy (2 is the paper's setting) for latents this small."
                 )
             elif not self.auto_level and level > config.max_downsample:
                 message = (
@@ -254,12 +326,19 @@ class ModelPatch:
 
     def plan_for(self, block_index: int, hidden: Any) -> Optional[MergePlan]:
         """The merge plan of one block call, or None when this block does not merge in this call."""
+        if not self.merges_something:
+            return None
         grid = self._grid_if_merging(hidden)
         if grid is None:
             return None
+        if self.state.reads_timestep and converting():
+            self.state.refuse_conversion()
         _, grid_h, grid_w = grid
         if self.config.min_tokens and self._below_min_tokens(hidden):
             self.state.blocks_skipped += 1
+            return None
+        if not self.todo and grid_h // self.config.sy * (grid_w // self.config.sx) == 0:
+            self.grid_without_cells = (grid_h, grid_w)  # no dst at all: an identity, not worth planning
             return None
         if self.todo:
             config = self.config
@@ -275,6 +354,32 @@ class ModelPatch:
         if plan is not None and self.share_level:
             state.share_plan(tokens, plan)
         return plan
+
+    # gradient checkpointing -----------------------------------------------------------------------------------
+    # ppdiffusers' checkpointing (recompute without re-entrance) runs a block's forward again during backward and
+    # expects it to save exactly the tensors the first run saved. That second run comes after the model's call has
+    # ended, so without help it would not merge at all (and Paddle fails: "Not supported to retrieve a tensor saved
+    # by autograd multiple times ..."). The plan of each checkpointed block call is kept, keyed by the block's input
+    # tensor (the recomputation gets the same tensor object), and the recomputation merges with it again: the same
+    # operations, hence the same gradients as without checkpointing.
+    def keep_for_recompute(self, block_index: int, hidden: Any, plan: Any) -> None:
+        """Keep ``plan`` for the recomputation of this block call when gradient checkpointing covers it."""
+        owner = self._checkpoint_owners[block_index] if block_index < len(self._checkpoint_owners) else None
+        if owner is None or not getattr(owner, "gradient_checkpointing", False):
+            return
+        if not isinstance(hidden, paddle.Tensor) or hidden.stop_gradient or not paddle.is_grad_enabled():
+            return
+        calls = self.state.calls
+        for key in [k for k, (ref, _, call) in self._replay.items() if ref() is None or call < calls - 1]:
+            del self._replay[key]  # inputs gone, or calls before the previous one: their backward is over
+        self._replay[(block_index, id(hidden))] = (weakref.ref(hidden), plan, calls)
+
+    def replayed_plan(self, block_index: int, hidden: Any) -> Any:
+        """The plan a checkpointed block call used, when this is its recomputation in backward (else None)."""
+        entry = self._replay.pop((block_index, id(hidden)), None) if self._replay else None
+        if entry is None or entry[0]() is not hidden:
+            return None
+        return entry[1]
 
     def _below_min_tokens(self, hidden: Any) -> bool:
         batch = hidden.shape[0]
@@ -293,7 +398,10 @@ class ModelPatch:
         if grid is None:
             return None
         finest = self.state.saw_level(grid[0])
-        # "auto": the finest level with transformer blocks, which is the first one a UNet's down path reaches
+        # "auto": the finest level with transformer blocks over the whole model (from its structure), else the
+        # finest one seen so far in this call, which is the first one a UNet's down path reaches
+        if self.auto_level and self.auto_finest is not None:
+            finest = self.auto_finest
         return grid if grid[0] <= (finest if self.auto_level else self.config.max_downsample) else None
 
     def _ratio_now(self) -> float:

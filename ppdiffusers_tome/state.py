@@ -22,9 +22,17 @@ import numpy as np
 import paddle
 
 from .config import ToMeConfig
-from .merge import MergePlan, partition_table, step_key, tracing, window_partition_table
+from .merge import MergePlan, converting, partition_table, step_key, tracing, window_partition_table
 
 __all__ = ["CallRecord", "StepHistory", "ToMeState", "ToMeStaticGraphError", "timestep_values"]
+
+
+try:
+    from paddle.jit.sot.psdb import fallback as _run_as_python
+except ImportError:  # pragma: no cover - Paddle without SOT
+
+    def _run_as_python() -> None:
+        pass
 
 
 class ToMeStaticGraphError(RuntimeError):
@@ -377,13 +385,8 @@ class ToMeState:
 
     def _read_timestep(self, timestep: Any, call: CallRecord) -> None:
         """The host-side part of a call for a ratio schedule or plan caching: the progress and the step count."""
-        if tracing():
-            what = "a ratio schedule" if self.config.is_scheduled else "recompute_every"
-            raise ToMeStaticGraphError(
-                f"ToMe with {what} cannot be converted with paddle.jit.to_static: it reads the timestep at run time "
-                "(the scheduled ratio decides how many tokens merge, a shape; the plan cache counts steps) and would "
-                "be frozen into the program. Use a constant ratio and recompute_every=1 before converting."
-            )
+        if converting():
+            self.refuse_conversion()
         values = timestep_values(timestep)
         if values is not None and not np.isfinite(values).all():
             raise ValueError(
@@ -397,6 +400,22 @@ class ToMeState:
         call.progress = 0.0 if progress is None else progress
         key = call.timestep_key if call.timestep_key is not None else ("call", self.calls + 1)
         history.advance(key, progress)
+
+    def refuse_conversion(self) -> None:
+        """Raise :class:`ToMeStaticGraphError` naming the option that reads the timestep on the host. Called when
+        such a config runs under ``paddle.jit.to_static`` in any mode: when the model's own pre-hook is traced
+        (a wrapper converted with ``full_graph=True``) and from the block hooks (which run inside the converted
+        forward also when the model itself is converted in SOT mode and its pre-hook runs before the conversion)."""
+        # SOT's simulation would hand this error to the user wrapped in an InnerError: have it run this function
+        # as plain Python instead (a no-op outside the simulation), so the named error propagates as it is
+        _run_as_python()
+        what = "a ratio schedule" if self.config.is_scheduled else "recompute_every"
+        raise ToMeStaticGraphError(
+            f"ToMe with {what} cannot be converted with paddle.jit.to_static (in SOT mode or with full_graph=True): "
+            "it reads the timestep at run time (the scheduled ratio decides how many tokens merge, a shape; the plan "
+            "cache counts steps) and would be frozen into the program. Use a constant ratio and recompute_every=1 "
+            "before converting."
+        )
 
     def _progress_of(self, timestep: float) -> float:
         progress = 1.0 - timestep / self.train_timesteps

@@ -434,6 +434,18 @@ def test_partition_table_rows_differ_by_block_timestep_seed_and_grid():
     np.testing.assert_array_equal(a, merge_module.partition_table(16, 16, 2, 2, key(999), 0, 3).numpy())
 
 
+def test_seed_salts_use_every_bit_and_keep_the_old_salts_below_2_to_the_29():
+    salt = merge_module._seed_salt
+    assert salt(0) == 0 and salt(5) == (5 * merge_module._W_SEED) & merge_module._MASK31  # partitions of 0.4.0 kept
+    seeds = [0, 2**29, 2**30, 3 * 2**29, 2**31, 2**32, 2**62, 2**64 - 1]
+    assert len({salt(s) for s in seeds}) == len(seeds)
+    low = np.random.default_rng(0).choice(2**31, 20000, replace=False)
+    assert len({salt(int(s)) for s in low}) == len(low)  # one-to-one on [0, 2**31)
+    step = merge_module.step_key(999)
+    tables = [merge_module.partition_table(16, 16, 2, 2, step, s, 2).numpy() for s in (0, 2**29, 2**31)]
+    assert not np.array_equal(tables[0], tables[1]) and not np.array_equal(tables[0], tables[2])
+
+
 def test_step_key_is_the_same_for_a_batch_of_one_timestep_in_any_form():
     key = lambda t: int(merge_module.step_key(t))  # noqa: E731
     assert key(paddle.to_tensor(999)) == key(paddle.to_tensor([999, 999])) == key(999) == key(999.0)

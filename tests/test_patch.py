@@ -198,6 +198,24 @@ def test_seed_option_changes_the_partition():
     assert np.abs(a - b).max() > 0
 
 
+def test_every_bit_of_the_seed_changes_the_output():
+    """Issue #18 item 9: seeds 0, 2**29 and 2**31 gave identical outputs (the salt repeated every 2**29)."""
+    unet = tiny_unet()
+    inputs = unet_inputs(unet)
+    outputs = {}
+    for seed in (0, 1, 2**29, 2**30, 2**31, 2**31 + 1, 2**63, 10**40):
+        unet.apply_tome(ratio=0.5, seed=seed)
+        with paddle.no_grad():
+            outputs[seed] = unet(*inputs).sample.numpy()
+    seeds = list(outputs)
+    for i, a in enumerate(seeds):
+        for b in seeds[i + 1:]:
+            assert np.abs(outputs[a] - outputs[b]).max() > 0, (a, b)
+    unet.apply_tome(ratio=0.5, seed=2**29)  # the same seed again: the same output
+    with paddle.no_grad():
+        np.testing.assert_array_equal(unet(*inputs).sample.numpy(), outputs[2**29])
+
+
 def test_odd_batch_keeps_randomness_and_merges():
     from ppdiffusers_tome.testing import tiny_sd_pipeline
 

@@ -7,6 +7,7 @@ import pytest
 from paddle.static import InputSpec
 
 import ppdiffusers_tome
+from ppdiffusers_tome import merge
 from ppdiffusers_tome.patch import ToMeStaticGraphError
 from ppdiffusers_tome.testing import tiny_unet
 from tests.test_patch import unet_inputs
@@ -94,23 +95,87 @@ def test_export_with_a_dynamic_batch_follows_the_timestep_inside_the_program(tmp
         assert np.abs(outputs[2, 999] - outputs[2, 501]).max() > 0
 
 
+def empty_merge_caches():
+    """Forget every table the merge core has built (device tensors and host grids), as in a fresh process."""
+    cache = getattr(merge, "_CACHE", None)
+    if cache is not None and hasattr(cache, "items"):
+        cache.items.clear()
+    for name in ("_grid", "_windows", "window_sides"):
+        getattr(merge, name).cache_clear()
+
+
+def convert(unet, mode):
+    """The UNet converted as README says: in SOT mode (the default) the UNet itself, called directly; with
+    ``full_graph=True`` a wrapper with plain tensor outputs (Paddle's AST mode returns the UNet's output dataclass
+    with a generator in ``.sample``, with or without ToMe). Returns ``f(sample, timestep, context) -> array``."""
+    unet.eval()
+    if mode == "sot":
+        static = paddle.jit.to_static(unet)
+        return lambda *inputs: static(*inputs).sample.numpy()
+    static = paddle.jit.to_static(NoisePredictor(unet), full_graph=True)
+    return lambda *inputs: static(*inputs).numpy()
+
+
+PROMISED = [dict(), dict(use_rand=False), dict(method="todo"), dict(match_window=8, share_plan="level")]
+
+
+@pytest.mark.parametrize("mode", ["sot", "full_graph"])
+@pytest.mark.parametrize("options", PROMISED, ids=["defaults", "no-rand", "todo", "local-shared"])
+def test_every_promised_option_converts_cold_and_warm_in_both_modes_and_equals_eager(options, mode):
+    """Issue #18 item 2: in SOT mode the defaults failed cold (a tensor cache written during the simulation) and
+    warm (a comprehension's closure cell in the salts), use_rand=False cold, ToDo (a property), local matching
+    (a nested function, super()). Cold: nothing cached by the merge core; warm: after an eager forward."""
+    reference = small_unet()
+    inputs = unet_inputs(reference)
+    later = (inputs[0], paddle.to_tensor([999, 999], dtype="int64"), inputs[2])  # a second timestep
+    with paddle.no_grad():
+        vanilla = reference(*inputs).sample.numpy()
+        reference.apply_tome(ratio=0.5, **options)
+        eager = [reference(*args).sample.numpy() for args in (inputs, later)]
+    assert np.abs(eager[0] - vanilla).max() > 1e-4  # ToMe is active
+    for warm in (False, True):
+        empty_merge_caches()
+        unet = small_unet()
+        unet.apply_tome(ratio=0.5, **options)
+        if warm:
+            with paddle.no_grad():
+                unet(*inputs)
+        static = convert(unet, mode)
+        with paddle.no_grad():
+            for args, expected in zip((inputs, later, inputs), eager + eager[:1]):
+                np.testing.assert_allclose(static(*args), expected, rtol=1e-5, atol=1e-5, err_msg=f"warm={warm}")
+
+
+@pytest.mark.parametrize("mode", ["sot", "full_graph"])
 @pytest.mark.parametrize(
     "options, named",
     [
         (dict(use_rand=False, ratio=(0.6, 0.3)), "a ratio schedule"),
         (dict(use_rand=False, recompute_every=3), "recompute_every"),
         (dict(ratio=(0.6, 0.3)), "a ratio schedule"),
+        (dict(recompute_every=(0, 5)), "recompute_every"),
     ],
 )
-def test_options_that_change_shapes_by_timestep_refuse_conversion_with_a_clear_error(tmp_path, options, named):
+def test_options_that_change_shapes_by_timestep_refuse_conversion_with_a_clear_error(options, named, mode):
+    """Issue #21 item 1: in SOT mode these failed with an InnerError (numpy uint64) instead of the named error."""
     unet = small_unet()
     unet.apply_tome(**options)
-    static = paddle.jit.to_static(NoisePredictor(unet), input_spec=SPEC, full_graph=True)
-    with pytest.raises(ToMeStaticGraphError, match=f"ToMe with {named} cannot be converted"):
-        paddle.jit.save(static, str(tmp_path / "unet"))
-    ppdiffusers_tome.remove_tome(unet)  # the dynamic model is still fine afterwards
+    inputs = unet_inputs(unet)
+    static = convert(unet, mode)
+    with paddle.no_grad(), pytest.raises(ToMeStaticGraphError, match=f"ToMe with {named} cannot be converted"):
+        static(*inputs)
+    ppdiffusers_tome.remove_tome(unet)  # the model is still fine afterwards, and vanilla again
+    vanilla = small_unet()
     with paddle.no_grad():
-        assert np.isfinite(unet(*unet_inputs(unet)).sample.numpy()).all()
+        np.testing.assert_allclose(unet(*inputs).sample.numpy(), vanilla(*inputs).sample.numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_options_that_change_shapes_by_timestep_refuse_saving_with_a_clear_error(tmp_path):
+    unet = small_unet()
+    unet.apply_tome(ratio=(0.6, 0.3))
+    static = paddle.jit.to_static(NoisePredictor(unet), input_spec=SPEC, full_graph=True)
+    with pytest.raises(ToMeStaticGraphError, match="ToMe with a ratio schedule cannot be converted"):
+        paddle.jit.save(static, str(tmp_path / "unet"))
 
 
 def test_min_tokens_refuses_a_dynamic_batch_with_a_clear_error(tmp_path):
