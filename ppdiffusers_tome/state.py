@@ -373,7 +373,7 @@ class ToMeState:
             stacks = sys._current_frames()
             busy = 0
             for thread, frames in others.items():
-                live = _live_calls(stacks.get(thread))
+                live = _live_calls(stacks.get(thread), layer)  # (only this model's calls: frame ids are reused)
                 busy += sum(1 for frame in frames if frame is None or frame in live)
             return busy
 

@@ -229,3 +229,34 @@ def test_remove_and_apply_from_inside_the_models_own_forward_are_refused():
     ppdiffusers_tome.remove_tome(unet)  # between calls it is allowed
     assert hook_count(unet) == vanilla_hooks
     np.testing.assert_array_equal(unet_output(unet), vanilla)
+
+
+def test_an_interrupted_call_is_not_taken_for_another_models_live_call():
+    """A call of u1 left by Ctrl-C in the main thread must not count as running while the main thread runs u2:
+    freed frame ids are reused at once, so only u1's own live calls may match its leftover record."""
+    u1 = ppdiffusers_tome.apply_tome(tiny_unet(), ratio=0.5)
+    u2 = ppdiffusers_tome.apply_tome(tiny_unet(), ratio=0.5)
+    interrupt_inside_forward(u1, KeyboardInterrupt)
+    seen, outcome = [], []
+
+    def remove_u1():
+        seen.append(get_patch(u1).state.busy_elsewhere(u1))
+        try:
+            outcome.append(ppdiffusers_tome.remove_tome(u1))
+        except RuntimeError as error:
+            outcome.append(error)
+
+    def probe(layer, inputs):  # the main thread is inside u2's forward; another thread asks about u1
+        thread = threading.Thread(target=remove_u1)
+        thread.start()
+        thread.join(60)
+
+    handle = find_blocks(u2)[0][1].attn2.register_forward_pre_hook(probe)
+    try:
+        with paddle.no_grad():
+            u2(step_sample(5), paddle.to_tensor([999, 999]), unet_inputs(u2)[2])
+    finally:
+        handle.remove()
+    assert seen == [0]
+    assert outcome == [u1] and get_patch(u1) is None
+    assert get_patch(u2) is not None
