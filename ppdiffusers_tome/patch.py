@@ -279,10 +279,10 @@ class ModelPatch:
     def _after_model(self, layer, args, kwargs, output):
         state, config = self.state, self.config
         completed = output is not None  # None when the forward raised (Paddle runs this hook anyway)
-        state.end_call(completed)
-        warn = self.blocks and self.merges_something  # (merging nothing by configuration was said at apply)
-        if completed and state.merged_blocks == 0 and self.fixed_ratio != 0 and not state.warned_no_merge and warn:
-            level, name = state.finest_level, "ToDo" if self.todo else "ToMe"
+        ended = state.end_call(completed)  # (the record of this call: a nested call's caller may still be running)
+        warn = self.blocks and self.merges_something and ended is not None  # (nothing by configuration: said at apply)
+        if completed and warn and ended.merged_blocks == 0 and self.fixed_ratio != 0 and not state.warned_no_merge:
+            level, name = ended.finest_level, "ToDo" if self.todo else "ToMe"
             message = None
             if level is None:
                 message = (

@@ -208,7 +208,7 @@ class ToMeState:
         # reading it is a device-to-host sync and cannot be traced into a static graph
         self.reads_timestep = tome and (config.is_scheduled or config.caches_plans)
         self._threads = _PerThread()
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # (re-entrant: a hook that runs while this thread holds it cannot deadlock)
         self.in_flight: Dict[int, List[Optional[int]]] = {}  # thread ident -> frames of its calls in flight
         self.epoch = 0
         self.reset()
@@ -242,7 +242,7 @@ class ToMeState:
     def __setstate__(self, state: Dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._threads = _PerThread()
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self.in_flight = {}
 
     # what the current call in this thread looks like ------------------------------------------------------------
@@ -295,26 +295,27 @@ class ToMeState:
         with self._lock:
             self.in_flight.setdefault(threading.get_ident(), []).append(frame)
 
-    def end_call(self, completed: bool = True) -> None:
+    def end_call(self, completed: bool = True) -> Optional[CallRecord]:
         """End the call in flight (the model's post-hook): drop what only it may use (plans, size, timestep); the
         counters for reporting stay. A call that failed puts the step history back as it was before it, so running
         the same generation again gives what a fresh model gives. Does nothing when no call of this thread began
-        here (a pre-hook before ToMe's raised)."""
+        here (a pre-hook before ToMe's raised). Returns the record of the call it ended (its ``merged_blocks`` and
+        ``finest_level`` stay for reporting), or None."""
         stack = self._threads.stack
         if not stack:
-            return
+            return None
         frame = None if tracing() else _call_frame()
         index = len(stack) - 1
         if frame is not None:
             mine = [i for i, call in enumerate(stack) if call.frame == frame]
             if not mine:
-                return
+                return None
             index = mine[-1]
         while len(stack) > index + 1:  # calls nested in this one that never ended (interrupted, caught in it)
             self._pop(completed=False)
-        self._pop(completed)
+        return self._pop(completed)
 
-    def _pop(self, completed: bool) -> None:
+    def _pop(self, completed: bool) -> CallRecord:
         threads = self._threads
         call = threads.stack.pop()
         if not completed and call.saved is not None:
@@ -334,6 +335,7 @@ class ToMeState:
                 frames.pop()
             if not frames:
                 self.in_flight.pop(ident, None)
+        return call
 
     def _drop_ended(self, layer: Any, running: Optional[int] = None) -> None:
         """End the calls of this thread whose layer call is no longer running (left by KeyboardInterrupt or
@@ -373,6 +375,9 @@ class ToMeState:
             stacks = sys._current_frames()
             busy = 0
             for thread, frames in others.items():
+                if thread not in stacks:  # the thread has died: its calls can never end, drop them
+                    self.in_flight.pop(thread, None)
+                    continue
                 live = _live_calls(stacks.get(thread), layer)  # (only this model's calls: frame ids are reused)
                 busy += sum(1 for frame in frames if frame is None or frame in live)
             return busy

@@ -5,6 +5,7 @@ forward (item 14) and remove_tome from inside the model's own forward (item 15).
 import copy
 import sys
 import threading
+import warnings
 
 import numpy as np
 import paddle
@@ -260,3 +261,39 @@ def test_an_interrupted_call_is_not_taken_for_another_models_live_call():
     assert seen == [0]
     assert outcome == [u1] and get_patch(u1) is None
     assert get_patch(u2) is not None
+
+
+def test_a_call_inside_the_models_own_forward_does_not_warn_that_tome_changed_nothing():
+    """The inner call ends while the outer one has merged nothing yet: the "changed nothing" check must look at the
+    call that ended (which merged), not at the caller still running."""
+    unet = ppdiffusers_tome.apply_tome(tiny_unet(), ratio=0.5)
+    inner = []
+
+    def call_again(layer, inputs):  # before the first block of the outer call
+        if not inner:
+            inner.append(None)
+            inner[0] = unet_output(unet, seed=1)
+
+    handle = unet.register_forward_pre_hook(call_again)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            unet_output(unet, seed=0)
+    finally:
+        handle.remove()
+    messages = [str(w.message) for w in caught]
+    assert inner[0] is not None and not [m for m in messages if "changed nothing" in m or "merged no tokens" in m], messages
+    assert not get_patch(unet).state.warned_no_merge
+    assert ppdiffusers_tome.tome_stats(unet)["UNet2DConditionModel"]["calls"] == 2
+
+
+def test_calls_left_in_flight_by_a_dead_thread_are_dropped():
+    unet = ppdiffusers_tome.apply_tome(tiny_unet(), ratio=0.5)
+    state, idents = get_patch(unet).state, []
+    thread = threading.Thread(target=lambda: idents.append(threading.get_ident()))
+    thread.start()
+    thread.join(60)
+    state.in_flight[idents[0]] = [None]  # what a traced call of a thread that then died leaves behind
+    assert state.busy_elsewhere(unet) == 0 and idents[0] not in state.in_flight
+    ppdiffusers_tome.remove_tome(unet)  # not refused
+    assert get_patch(unet) is None
