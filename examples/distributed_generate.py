@@ -45,6 +45,11 @@ PROMPTS = [
 ]
 
 
+def under_launcher() -> bool:
+    """Whether Paddle's launcher started this process (it sets the trainer variables for every rank)."""
+    return "PADDLE_TRAINER_ID" in os.environ or "PADDLE_TRAINERS_NUM" in os.environ
+
+
 def launch(nproc, argv):
     """Run this script on ``nproc`` processes with Paddle's launcher; returns its exit status."""
     env = dict(os.environ)
@@ -66,7 +71,9 @@ def launch(nproc, argv):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # no abbreviations: "--np 2" must not pass for --nproc, or it would survive the stripping below and relaunch
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
     parser.add_argument("--nproc", type=int, default=None,
                         help="start this many processes with Paddle's launcher (GPUs, or CPU processes over gloo)")
     parser.add_argument("--model", help="local pipeline folder; default: the tiny built-in preset")
@@ -78,7 +85,9 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     configure_logging()  # plain INFO lines (Paddle puts a timestamped handler on the root logger)
-    if args.nproc is not None:
+    if args.nproc is not None and under_launcher():
+        logger.warning("--nproc %d ignored: this process was started by Paddle's launcher", args.nproc)
+    elif args.nproc is not None:
         if args.nproc < 1:
             parser.error(f"--nproc must be >= 1, got {args.nproc}")
         rest = [a for i, a in enumerate(argv) if a != "--nproc" and not a.startswith("--nproc=")

@@ -91,3 +91,32 @@ def test_distributed_example_runs_on_two_cpu_processes(tmp_path):
     assert "rank 0 saved 6 images" in screen and "images per rank: 3, 3" in screen
     for noise in ("LAUNCH INFO", "No ccache found", "Setuptools is replacing distutils", "[    INFO]"):
         assert noise not in screen, noise
+
+
+def distributed_module():
+    return runpy.run_path(os.path.join(EXAMPLES, "distributed_generate.py"), run_name="distributed_generate")
+
+
+def test_distributed_example_refuses_an_abbreviated_nproc(capsys):
+    """``--np 2`` used to be taken for ``--nproc 2`` but was not stripped before relaunching: every rank launched
+    again."""
+    with pytest.raises(SystemExit) as exit_:
+        distributed_module()["main"](["--np", "2"])
+    assert exit_.value.code == 2 and "--np" in capsys.readouterr().err
+
+
+def test_distributed_example_does_not_relaunch_under_the_launcher(monkeypatch):
+    module = distributed_module()
+    launched = []
+    monkeypatch.setitem(module["main"].__globals__, "launch", lambda *a: launched.append(a) or 0)
+    monkeypatch.setitem(module["main"].__globals__, "preset_pipeline", lambda name: (_ for _ in ()).throw(
+        RuntimeError("stop after the launch decision")))
+    monkeypatch.setenv("PADDLE_TRAINER_ID", "0")
+    with pytest.raises(RuntimeError, match="stop after the launch decision"):
+        module["main"](["--nproc", "2"])
+    assert launched == []
+    monkeypatch.delenv("PADDLE_TRAINER_ID")
+    monkeypatch.delenv("PADDLE_TRAINERS_NUM", raising=False)
+    with pytest.raises(SystemExit):
+        module["main"](["--nproc", "2"])
+    assert len(launched) == 1 and launched[0][0] == 2
