@@ -275,11 +275,18 @@ def _install_everywhere(targets: List[Tuple[str, paddle.nn.Layer]], config: ToMe
             installed.append(ModelPatch.install(model, config, train_timesteps))  # replaces this package's patch
             logger.debug("ToMe applied to %s (%d blocks): %s", name, len(installed[-1].blocks), config)
     except BaseException:
+        # roll back every model on its own, so that one that cannot be put back does not stop the others
         for patch in installed:
-            patch.remove()
-        for (_, model), before in zip(targets, previous):  # put back what this package had applied
+            try:
+                patch.remove(force=True)  # (a forward that started meanwhile must not keep half of the models)
+            except Exception:  # pragma: no cover - removing hooks does not fail in practice
+                logger.exception("could not take ToMe off %s while rolling back", type(patch.model).__name__)
+        for (name, model), before in zip(targets, previous):  # put back what this package had applied
             if before is not None and get_patch(model) is None:
-                ModelPatch.install(model, *before)
+                try:
+                    ModelPatch.install(model, *before)
+                except Exception:  # pragma: no cover
+                    logger.exception("could not put the previous ToMe patch back on %s", name)
         raise
 
 

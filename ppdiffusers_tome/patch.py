@@ -254,14 +254,16 @@ class ModelPatch:
         with PATCH_LOCK:
             return self.state.busy_here(self.model) + self.state.busy_elsewhere(self.model)
 
-    def remove(self) -> None:
+    def remove(self, force: bool = False) -> None:
         """Take every hook off and drop the patch attribute; the model is then exactly as before ``install``.
-        Raises ``RuntimeError`` (and changes nothing) while a forward of the model is running. Removing a patch
-        that is already removed does nothing."""
+        Raises ``RuntimeError`` (and changes nothing) while a forward of the model is running, unless ``force``
+        (used to roll back an ``apply_tome`` that failed half-way). Removing a patch that is already removed does
+        nothing."""
         with PATCH_LOCK:
             if not getattr(self, "installed", True):  # (a patch pickled by 0.4.0 has no flag: it is installed)
                 return
-            self.check_idle()
+            if not force:
+                self.check_idle()
             self._remove_hooks()
             self.state.forget_calls_in_flight()  # what is left belongs to calls that never reached their end
             self.blocks = []

@@ -365,3 +365,30 @@ def test_tome_status_returns_the_users_schedule_even_when_it_cannot_be_copied():
         assert settings["ratio"] is schedule  # the user's own object, not a copy
         assert settings == dict(ppdiffusers_tome.tome_config(unet).__dict__)
         unet_output(unet)  # and the schedule works
+
+
+def test_a_rollback_is_not_stopped_by_a_forward_that_began_meanwhile(monkeypatch):
+    """Rolling back takes the new patches off by force: a forward that started on an already patched model (here:
+    every model reports one) must not leave that model with the new patch and the others with the old one."""
+    pipe = tiny_controlnet_pipeline(num_controlnets=2)
+    models = [pipe.unet, *pipe.controlnet.nets]
+    pipe.apply_tome(ratio=0.3)
+    patched = [hook_counts(m) for m in models]
+    real_install, calls = ModelPatch.install, []
+
+    def busy(self):
+        raise RuntimeError("a forward of this model is running")
+
+    def failing_install(model, config, *args):
+        calls.append(model)
+        if len(calls) == 3:
+            monkeypatch.setattr(ModelPatch, "check_idle", busy)
+            raise RuntimeError("simulated failure while patching the third model")
+        return real_install(model, config, *args)
+
+    monkeypatch.setattr(ModelPatch, "install", staticmethod(failing_install))
+    with pytest.raises(RuntimeError, match="simulated"):  # the original error, not one from the rollback
+        pipe.apply_tome(ratio=0.5)
+    monkeypatch.undo()
+    assert [hook_counts(m) for m in models] == patched
+    assert all(ppdiffusers_tome.tome_config(m).ratio == 0.3 for m in models)
