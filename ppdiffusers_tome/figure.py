@@ -54,13 +54,10 @@ def draw_plan_figure(ratio: float = 0.5, grid: int = 24, cell: int = 14, seed: i
     r = int(grid * grid * ratio)
     # the same pixels on every machine: the CPU kernels always (the GPU branch rounds its means differently), the
     # plan keyed by ``seed`` alone (never Paddle's global RNG), and colours rounded, not truncated, to 8 bits
-    previous, merge.DEVICE_OVERRIDE = merge.DEVICE_OVERRIDE, "cpu"
-    try:
-        metric = paddle.to_tensor(tokens.reshape(1, grid * grid, 3).astype("float32"), place=paddle.CPUPlace())
-        plan = merge.bipartite_soft_matching_random2d(metric, grid, grid, 2, 2, r, generator=seed)
-        round_trip = plan.unmerge(plan.merge(metric)).numpy().reshape(grid, grid, 3)
-    finally:
-        merge.DEVICE_OVERRIDE = previous
+    # (asked of this plan only: the process-wide DEVICE_OVERRIDE of another thread is neither read nor changed)
+    metric = paddle.to_tensor(tokens.reshape(1, grid * grid, 3).astype("float32"), place=paddle.CPUPlace())
+    plan = merge.bipartite_soft_matching_random2d(metric, grid, grid, 2, 2, r, generator=seed, kind="cpu")
+    round_trip = plan.unmerge(plan.merge(metric)).numpy().reshape(grid, grid, 3)
 
     dst = plan.dst_pos.numpy() if plan.dst_pos is not None else np.zeros(0, dtype=np.int64)  # none when r == 0
     colours = _group_colours(len(dst), seed)

@@ -181,3 +181,18 @@ def test_at_ratio_zero_the_round_trip_panel_equals_the_tokens():
     # the tokens panel is drawn from float64 colours, the round trip from the float32 tensor: one 8-bit step apart
     # at most where a colour sits on a rounding boundary
     assert np.abs(panel(image, 2, 8, 4) - panel(image, 0, 8, 4)).max() <= 1
+
+
+def test_figure_never_changes_the_process_wide_device_override(monkeypatch):
+    """Another thread running a model while the figure is drawn must keep its own kernel choice: the figure asks for
+    the CPU kernels on its plan only."""
+    seen, real = [], merge.bipartite_soft_matching_random2d
+
+    def spy(*args, **kwargs):
+        seen.append(merge.DEVICE_OVERRIDE)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(merge, "DEVICE_OVERRIDE", "gpu")
+    monkeypatch.setattr(merge, "bipartite_soft_matching_random2d", spy)
+    draw_plan_figure(ratio=0.5, grid=8, cell=2)
+    assert seen == ["gpu"]
