@@ -8,10 +8,6 @@
 import argparse
 import logging
 import os
-import warnings
-
-# Paddle prints these at import; they say nothing about this run (set before Paddle is imported)
-warnings.filterwarnings("ignore", "No ccache found|Setuptools is replacing distutils", UserWarning)
 
 from ppdiffusers_tome import bench
 from ppdiffusers_tome.presets import available_presets, load_local_pipeline, preset_pipeline

@@ -10,15 +10,11 @@ import argparse
 import logging
 import os
 import time
-import warnings
 
-# Paddle prints these at import; they say nothing about this run (set before Paddle is imported)
-warnings.filterwarnings("ignore", "No ccache found|Setuptools is replacing distutils", UserWarning)
-
+import ppdiffusers_tome  # noqa: F401  (imported first: it keeps the import-time warnings of Paddle quiet)
 import numpy as np
 import paddle
 
-import ppdiffusers_tome
 from ppdiffusers_tome.figure import side_by_side
 from ppdiffusers_tome.measure import psnr
 from ppdiffusers_tome.presets import load_local_pipeline, preset_pipeline

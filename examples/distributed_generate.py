@@ -20,11 +20,8 @@ import os
 import subprocess
 import sys
 import tempfile
-import warnings
 
-# Paddle prints these at import; they say nothing about this run (set before Paddle is imported)
-warnings.filterwarnings("ignore", "No ccache found|Setuptools is replacing distutils", UserWarning)
-
+import ppdiffusers_tome  # noqa: F401  (imported first: it keeps the import-time warnings of Paddle quiet)
 import numpy as np
 import paddle
 import paddle.distributed as dist

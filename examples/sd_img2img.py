@@ -7,16 +7,12 @@
 import argparse
 import logging
 import os
-import warnings
 
-# Paddle prints these at import; they say nothing about this run (set before Paddle is imported)
-warnings.filterwarnings("ignore", "No ccache found|Setuptools is replacing distutils", UserWarning)
-
+import ppdiffusers_tome  # noqa: F401  (imported first: it keeps the import-time warnings of Paddle quiet)
 import numpy as np
 import paddle
 from PIL import Image
 
-import ppdiffusers_tome
 from ppdiffusers_tome.presets import load_local_pipeline, preset_pipeline
 from ppdiffusers_tome.quiet import configure_logging
 

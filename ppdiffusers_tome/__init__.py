@@ -9,12 +9,14 @@
 import importlib as _importlib
 import os as _os
 import sys as _sys
-from typing import Any as _Any, Optional as _Optional, Sequence as _Sequence
+from typing import Any as _Any, List as _List, Optional as _Optional, Sequence as _Sequence
 
 __version__ = "0.5.0"
 
 
-def _cli_args(argv: _Optional[_Sequence[str]] = None, orig_argv: _Optional[_Sequence[str]] = None):
+def _cli_args(
+    argv: _Optional[_Sequence[str]] = None, orig_argv: _Optional[_Sequence[str]] = None
+) -> _Optional[_List[str]]:
     """The arguments of the command line when this process is it (``ppdiffusers-tome ...`` or
     ``python -m ppdiffusers_tome ...``), else ``None``."""
     argv = list(_sys.argv if argv is None else argv)
@@ -56,6 +58,15 @@ if _cli_args() is not None:  # the command line, not a library import: Paddle's 
     _ignore_import_warnings()
 
 if not _cli_help_only():
+    import warnings as _warnings
+
+    from .quiet import ignore_import_warnings as _ignore_import_warnings
+
+    # Paddle's two import-time warnings (see quiet.py) are silenced for this import only: the filters are put back
+    # as they were afterwards, so the application's own warning settings stay its own
+    _quiet_import = _warnings.catch_warnings()
+    _quiet_import.__enter__()
+    _ignore_import_warnings()
     from .api import (
         apply_tome,
         install_methods,
@@ -75,6 +86,8 @@ if not _cli_help_only():
         clear_cache,
         downsample_tokens,
     )
+
+    _quiet_import.__exit__(None, None, None)
 
     install_methods()
 

@@ -37,11 +37,17 @@ GPU_INSTALL_HINT = (
 _warned_half_on_cpu = False  # apply_tome warns about half precision on a CPU once per process
 
 
+def _ours(module: str) -> bool:
+    """Whether ``module`` is this package or one of its modules (not a user module that merely starts alike, such
+    as ``ppdiffusers_tome_demo``)."""
+    return module == "ppdiffusers_tome" or module.startswith("ppdiffusers_tome.")
+
+
 def _caller_stacklevel() -> int:
     """The ``stacklevel`` for ``warnings.warn`` called from the caller of this function that points at the first
     frame outside this package (the user's ``pipe.apply_tome(...)`` line, through however many of our frames)."""
     frame, level = sys._getframe(1), 1
-    while frame is not None and frame.f_globals.get("__name__", "").startswith("ppdiffusers_tome"):
+    while frame is not None and _ours(frame.f_globals.get("__name__", "")):
         frame, level = frame.f_back, level + 1
     return level
 

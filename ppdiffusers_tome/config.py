@@ -6,7 +6,6 @@ never here.
 
 from __future__ import annotations
 
-import math
 import numbers
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union

@@ -255,6 +255,7 @@ class _DeviceCache:
         return freed
 
     def info(self) -> Dict[str, int]:
+        """What the cache holds now (``entries``, ``bytes``) and its bounds (``max_entries``, ``max_bytes``)."""
         with self._lock:
             return {"entries": len(self.items), "bytes": self.bytes, "max_entries": self.size,
                     "max_bytes": self.max_bytes}
@@ -1089,7 +1090,7 @@ class LocalMergePlan(MergePlan):
         """
         kind = kind or device_kind(metric)
         win = _windows(*(int(v) for v in windows))
-        batch, channels = int(metric.shape[0]), metric.shape[2]
+        batch = int(metric.shape[0])
         plan = cls(int(metric.shape[1]), batch, win.count * int(window_r), kind)
         plan.windows, plan.window_r, plan.num_src = win, int(window_r), win.count * win.num_src
         with paddle.no_grad():

@@ -5,7 +5,8 @@ only relevant when compiling custom C++ operators; ``Setuptools is replacing dis
 ``paddle.distributed`` puts a handler with a timestamp, level and file:line prefix on the *root* logger, so every
 INFO line of ours came out as ``[2026-...] [    INFO] commands.py:80 - ...``. The command line (and each example,
 before it imports Paddle) calls :func:`ignore_import_warnings`; :func:`configure_logging` replaces the root handler.
-A library import of ``ppdiffusers_tome`` changes neither: warning filters and logging belong to the application.
+A library import of ``ppdiffusers_tome`` silences the two warnings only while it runs (when it is the first to import
+Paddle) and leaves the filters as it found them, and it leaves logging alone: both belong to the application.
 
 Only the standard library is imported here, so the package's ``__init__`` can use it before Paddle is imported.
 """

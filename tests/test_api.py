@@ -392,3 +392,8 @@ def test_a_rollback_is_not_stopped_by_a_forward_that_began_meanwhile(monkeypatch
     monkeypatch.undo()
     assert [hook_counts(m) for m in models] == patched
     assert all(ppdiffusers_tome.tome_config(m).ratio == 0.3 for m in models)
+
+
+def test_warnings_point_past_this_package_only():
+    assert api._ours("ppdiffusers_tome") and api._ours("ppdiffusers_tome.patch")
+    assert not api._ours("ppdiffusers_tome_demo") and not api._ours("__main__")

@@ -1,6 +1,5 @@
 """Model glue (ppdiffusers_tome/patch.py): hook placement, image size and timestep capture, randomness, removal."""
 
-import math
 import warnings
 
 import numpy as np

@@ -5,14 +5,14 @@ and legend, the PNG grid of images (:func:`image_grid`), and the warning when it
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 from PIL import Image
 
 from ..figure import side_by_side
 from ..measure import median, render_table
-from .report import TWIN, merges_nothing, speedup_range, spread_warning, unstable
+from .report import merges_nothing, single_run_text, speedup_label, speedup_range, spread_warning, unstable
 from .runner import Cell, RunOutputs
 
 MIB = 1024.0 * 1024.0
@@ -63,10 +63,8 @@ def demo_rows(cells: Sequence[Cell], outputs: Dict[str, RunOutputs]) -> List[Dic
 
 
 def _speedup(row: Dict[str, Any]) -> str:
-    if row.get("merges_nothing"):
-        return TWIN
-    text = f"{row['speedup']:.2f}x"
-    return text + " (1 run)" if row["method"] != "vanilla" and len(row["runs_seconds"]) == 1 else text
+    one_run = row["method"] != "vanilla" and len(row["runs_seconds"]) == 1
+    return speedup_label(row["speedup"], one_run, bool(row.get("merges_nothing")))
 
 
 def single_run_note(rows: Sequence[Dict[str, Any]]) -> Optional[str]:
@@ -77,9 +75,7 @@ def single_run_note(rows: Sequence[Dict[str, Any]]) -> Optional[str]:
     """
     if not any(row["method"] != "vanilla" and len(row["runs_seconds"]) == 1 for row in rows):
         return None
-    return ("NOTE: one timed run per method (--repeats 1): each speed-up marked '1 run' is a single sample, not a "
-            "measurement; on a shared machine one run is often 20% off either way. Use --repeats 3 (the default) or "
-            "more before quoting a speed-up.")
+    return single_run_text("method", "(the default) or more")
 
 
 def format_demo_table(rows: List[Dict[str, Any]]) -> str:

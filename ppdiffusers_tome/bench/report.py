@@ -64,10 +64,27 @@ def speedup_text(cell: Cell) -> str:
     """
     if cell.speedup is None:
         return "-"
-    if merges_nothing(cell):
+    return speedup_label(cell.speedup, cell.method != "vanilla" and single_run(cell), merges_nothing(cell))
+
+
+def speedup_label(speedup: float, one_run: bool, twin: bool = False) -> str:
+    """How every table writes a speed-up: ``"1.31x"``, ``"1.31x (1 run)"`` from a single timed run, ``"= vanilla"``
+    (``twin``) for a configuration that merged nothing.
+
+    >>> speedup_label(1.314, True), speedup_label(1.2, False, twin=True)
+    ('1.31x (1 run)', '= vanilla')
+    """
+    if twin:
         return TWIN
-    text = f"{cell.speedup:.2f}x"
-    return text + " (1 run)" if cell.method != "vanilla" and single_run(cell) else text
+    text = f"{speedup:.2f}x"
+    return text + " (1 run)" if one_run else text
+
+
+def single_run_text(what: str, default_hint: str = "or more") -> str:
+    """The note under a table whose speed-ups come from one timed run per ``what`` (``--repeats 1``)."""
+    return (f"NOTE: one timed run per {what} (--repeats 1): each speed-up marked '1 run' is a single sample, not a "
+            f"measurement; on a shared machine one run is often 20% off either way. Use --repeats 3 {default_hint} "
+            "before quoting a speed-up.")
 
 
 def _grid_entry(cell: Optional[Cell]) -> str:
@@ -244,9 +261,7 @@ def single_run_note(cells: List[Cell]) -> Optional[str]:
     """A note when speed-ups come from a single timed run per configuration (``--repeats 1``), else ``None``."""
     if not any(c.status == "ok" and c.method != "vanilla" and single_run(c) for c in cells):
         return None
-    return ("NOTE: one timed run per configuration (--repeats 1): each speed-up marked '1 run' is a single sample, "
-            "not a measurement; on a shared machine one run is often 20% off either way. Use --repeats 3 or more "
-            "before quoting a speed-up.")
+    return single_run_text("configuration")
 
 
 def format_time_split(split: Dict[str, Dict[str, float]]) -> str:
