@@ -193,7 +193,9 @@ class ToMeState:
     >>> state.begin_call(paddle.zeros([1, 4, 8, 8]), paddle.to_tensor(999))
     >>> state.latent_hw, state.busy_elsewhere()
     ((8, 8), 0)
-    >>> state.end_call()
+    >>> ended = state.end_call()
+    >>> ended.merged_blocks, state.busy_here()
+    (0, 0)
     """
 
     COUNTERS = ("calls", "merges", "plans_computed", "plans_reused", "plans_shared", "blocks_skipped",
