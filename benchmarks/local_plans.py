@@ -190,9 +190,16 @@ def main(argv=None) -> None:
     parser.add_argument("--seeds", type=int, default=4, help="seeds per cell (>= 2 for a spread)")
     parser.add_argument("--threads", type=int, default=None, help="Paddle CPU threads (default: all cores)")
     parser.add_argument("--output", default=os.path.join("outputs", "local_plans"))
+    parser.add_argument("--render", nargs="+", metavar="RESULTS_JSON",
+                        help="measure nothing: merge these results.json files, print the README tables (with the "
+                             "distance of each configuration next to tome's in the same seeds; † = outside tome's "
+                             "seed spread) and draw one Pareto plot into --output")
     parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=DEFAULT_CONFIGS,
                         help=f"configurations to compare (default: {' '.join(DEFAULT_CONFIGS)}); vanilla is always one")
     args = parser.parse_args(argv)
+    if args.render:
+        render(args.render, args.output)
+        return
     configs = {name: CONFIGS[name] for name in ["vanilla"] + [c for c in args.configs if c != "vanilla"]}
     threads = set_threads(args.threads)
     os.makedirs(args.output, exist_ok=True)
@@ -226,6 +233,74 @@ def main(argv=None) -> None:
                 json.dump(result, f, indent=2, default=float)
     write_pareto(result, args.output)
     print(f"wrote {os.path.join(args.output, 'results.json')}")
+
+
+def pareto_names(cell: Dict[str, Any]) -> List[str]:
+    """Configurations of ``cell`` that no other one beats on both speed-up and PSNR (vanilla: 1.0 and infinite)."""
+    points = {n: (c["speedup"], c["psnr_mean"]) for n, c in cell["configs"].items()}
+    return [n for n, p in points.items()
+            if not any(q[0] >= p[0] and q[1] >= p[1] and q != p for m, q in points.items() if m != n)]
+
+
+def against_tome(cell: Dict[str, Any], name: str) -> Dict[str, Any]:
+    """Distance of ``name`` from vanilla next to tomesd's plan (``tome``) in the same seeds: the mean paired
+    difference of rel L2, how many seeds it is further on, and whether the difference of the means lies within the
+    seed-to-seed spread (population standard deviation) of ``tome``."""
+    mine, tome = cell["configs"][name]["rel_l2"], cell["configs"]["tome"]["rel_l2"]
+    diffs = [a - b for a, b in zip(mine, tome)]
+    return {"mean_diff": statistics.mean(diffs), "relative": statistics.mean(mine) / statistics.mean(tome) - 1,
+            "further_in": sum(d > 0 for d in diffs), "seeds": len(diffs),
+            "within_spread": abs(statistics.mean(diffs)) <= statistics.pstdev(tome)}
+
+
+def markdown_tables(result: Dict[str, Any]) -> str:
+    """The README tables of a (merged) result: one per preset and resolution."""
+    out = []
+    for cell in result["cells"]:
+        front = set(pareto_names(cell))
+        out += [f"**{cell['preset']}, {cell['resolution']}²** ({cell['tokens']} tokens at the finest level, "
+                f"{cell['seeds']} seeds)", "",
+                "| configuration | CPU speed-up (range over seeds) | rel L2 ± sd | vs `tome` (seeds further) "
+                "| PSNR dB ± sd "
+                "| plans / call | GPU ops / block | GPU ops / call | peak MiB | Pareto |",
+                "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for name, c in cell["configs"].items():
+            ops, peak = cell["gpu_ops"].get(name), PEAK_OF.get(name)
+            if name == "vanilla":
+                speed, rel, versus, quality = "1.00×", "0", "", "∞"
+            else:
+                speed = f"{c['speedup']:.2f}× ({c['speedup_range'][0]:.2f}–{c['speedup_range'][1]:.2f})"
+                rel = f"{c['rel_l2_mean']:.4f} ± {c['rel_l2_sd']:.4f}"
+                quality = f"{c['psnr_mean']:.1f} ± {c['psnr_sd']:.1f}"
+                versus = ""
+                if name != "tome" and "tome" in cell["configs"]:
+                    t = against_tome(cell, name)
+                    spread = "" if t["within_spread"] else " †"
+                    versus = f"{t['relative']:+.0%} ({t['further_in']}/{t['seeds']}){spread}"
+            peak_text = "–" if peak is None else f"{cell['peak_mib'][peak]:.1f}"
+            per_block = "–" if ops is None else f"{ops['per_block']:.1f}"
+            per_call = "–" if ops is None else str(ops["per_call"])
+            label = "vanilla" if name == "vanilla" else f"`{name}`"
+            pareto = "yes" if name in front else ""
+            plans = f"{c['plans_per_call']:.0f}"
+            out.append(f"| {label} | {speed} | {rel} | {versus} | {quality} | {plans} | {per_block} | {per_call} "
+                       f"| {peak_text} | {pareto} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def render(paths: List[str], folder: str) -> None:
+    """Merge the cells of several ``results.json`` files, print the README tables and draw one Pareto plot."""
+    merged: Dict[str, Any] = {"cells": [], "versions": []}
+    for path in paths:
+        with open(path, encoding="utf-8") as f:
+            result = json.load(f)
+        merged["cells"] += result["cells"]
+        merged["versions"].append(result.get("version"))
+    print(markdown_tables(merged))
+    os.makedirs(folder, exist_ok=True)
+    write_pareto(merged, folder)
+    print(f"versions: {sorted(set(map(str, merged['versions'])))}; wrote {os.path.join(folder, 'pareto.png')}")
 
 
 def write_pareto(result: Dict[str, Any], folder: str) -> None:
