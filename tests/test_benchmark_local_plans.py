@@ -42,6 +42,7 @@ def test_distance_next_to_tome_is_paired_by_seed_and_judged_against_tomes_spread
     assert near["further_in"] == 2 and near["within_spread"]  # tome's rel L2 spreads by 0.0141 over the seeds
     assert far["further_in"] == 4 and not far["within_spread"]  # 0.03 further on average
     assert far["mean_diff"] == pytest.approx(0.03) and far["relative"] == pytest.approx(0.3)
+    assert bench.against_tome(cell(), "todo")["within_spread"]  # much closer to vanilla is never flagged
 
 
 def test_markdown_table_marks_pareto_and_outside_spread(bench):
