@@ -238,12 +238,14 @@ def object_mask(labels: Dict[str, Any], which: int = 0, size: int = 64) -> np.nd
 
 
 def label_indices(labels: Dict[str, Any]) -> Dict[str, int]:
-    """The class indices of ``labels`` for the classifier: shape, colour, position (``-1`` when the caption does
-    not name it) and background."""
+    """The class indices of ``labels`` for the classifier: shape, colour, position and background. On two-object
+    images the first object's shape, colour and position are ``-1`` (no target): the image alone does not tell
+    which object the caption names first, and the caption does not name the position."""
+    single = labels["n_objects"] == 1
     return {
-        "shape": SHAPES.index(labels["shape"]),
-        "colour": COLOURS.index(labels["colour"]),
-        "position": POSITIONS.index(labels["position"]) if labels["position_known"] else -1,
+        "shape": SHAPES.index(labels["shape"]) if single else -1,
+        "colour": COLOURS.index(labels["colour"]) if single else -1,
+        "position": POSITIONS.index(labels["position"]) if single else -1,
         "background": BACKGROUNDS.index(labels["background"]),
     }
 
