@@ -43,11 +43,11 @@ __all__ = [
 ]
 
 SHAPES: Tuple[str, ...] = ("circle", "square", "triangle", "star", "cross")
-# Named colours far apart in RGB (the closest pair, red/orange, is ~110 apart; black is not used: the VAE's
+# Named colours far apart in RGB (every pair more than 100 apart; black is not used: the VAE's
 # shading of dark shapes on dark backgrounds would be the hardest case for no gain)
 COLOUR_RGB: Dict[str, Tuple[int, int, int]] = {
     "red": (220, 30, 30),
-    "orange": (245, 140, 0),
+    "orange": (245, 130, 0),
     "yellow": (245, 230, 30),
     "green": (30, 170, 50),
     "cyan": (30, 210, 230),
