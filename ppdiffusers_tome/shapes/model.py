@@ -113,22 +113,22 @@ def _apply_bpe(word: Tuple[str, ...], ranks: Dict[Tuple[str, str], int]) -> Tupl
 def word_merges(words: Iterable[str]) -> List[Tuple[str, str]]:
     """BPE merges under which every one of ``words`` (lowercase ASCII) becomes a single token ``word</w>``.
 
-    Each word is run through the merges so far and its remaining pieces are joined left to right by new merges.
-    A new merge ranks after all earlier ones, so it only acts once the earlier merges are done, and the words made
-    single tokens before have no pairs left to change: every word ends as one token."""
+    Each word is run through the merges so far; while it is in several pieces, its first two pieces become a new
+    merge and it is run again (the piece count drops each time). A new merge ranks after all earlier ones, so it
+    acts only where no earlier merge applies: the words made single tokens before reach that token by earlier merges
+    alone, and every word ends as one token."""
     merges: List[Tuple[str, str]] = []
     ranks: Dict[Tuple[str, str], int] = {}
     for word in words:
         if not word or not word.isascii() or word != word.lower() or " " in word:
             raise ValueError(f"words must be non-empty lowercase ASCII without spaces; got {word!r}")
-        pieces = _apply_bpe(tuple(word[:-1]) + (word[-1] + "</w>",), ranks)
-        head = pieces[0]
-        for piece in pieces[1:]:
-            pair = (head, piece)
-            if pair not in ranks:
-                ranks[pair] = len(merges)
-                merges.append(pair)
-            head += piece
+        symbols = tuple(word[:-1]) + (word[-1] + "</w>",)
+        pieces = _apply_bpe(symbols, ranks)
+        while len(pieces) > 1:  # no known pair is left: the first two pieces become a new, last-ranked merge
+            pair = (pieces[0], pieces[1])
+            ranks[pair] = len(merges)
+            merges.append(pair)
+            pieces = _apply_bpe(symbols, ranks)  # (the new merge may also join a repeat of the pair further on)
     return merges
 
 
