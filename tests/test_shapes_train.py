@@ -100,3 +100,20 @@ def test_command_line_names_a_bad_setting(capsys):
     with pytest.raises(SystemExit):
         train.main(["--output", "x", "--minutes", "-1"])
     assert "minutes must be > 0" in capsys.readouterr().err
+
+
+def test_learning_rate_warms_up_then_decays_only_with_a_known_step_count():
+    factors = [train.learning_rate_factor(k, 1000) for k in range(1000)]
+    assert factors[0] == pytest.approx(0.01) and factors[99] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(factors[100:], factors[101:]))  # non-increasing after warm-up
+    assert train.learning_rate_factor(999, 1000) == pytest.approx(0.1, abs=1e-3)
+    assert train.learning_rate_factor(5000, None) == 1.0  # a time budget: constant
+
+
+def test_preview_shows_real_images_above_generated_ones():
+    pipe = build_pipeline(seed=0)
+    picture, captions = train.preview(pipe, count=2, steps=1)
+    assert captions == [dataset.sample(i, seed=999)[1] for i in range(2)]
+    assert picture.size == (2 * 66 + 2, 2 * 66 + 2)
+    top_left = np.asarray(picture)[2:66, 2:66].astype(np.float64)
+    np.testing.assert_array_equal(top_left, np.asarray(dataset.sample(0, seed=999)[0], dtype=np.float64))
