@@ -167,6 +167,11 @@ class _Ema:
             param.set_value(value)
 
 
+def _short(value) -> float:
+    """A loss for the log: 5 significant digits (the log stays small enough to ship beside the weights)."""
+    return float(f"{float(value):.5g}")
+
+
 def _save(pipe, output: str, log: Dict[str, Any], ema: Optional[_Ema]) -> None:
     saved = ema.copy_to_model() if ema is not None else None
     try:
@@ -175,7 +180,7 @@ def _save(pipe, output: str, log: Dict[str, Any], ema: Optional[_Ema]) -> None:
         if saved is not None:
             ema.restore(saved)
     with open(os.path.join(output, "train_log.json"), "w", encoding="utf-8") as f:
-        json.dump(log, f, indent=1)
+        json.dump(log, f, separators=(",", ":"))  # one line: ~60 bytes per step
 
 
 def train(output: str, config: Optional[TrainConfig] = None,
@@ -232,8 +237,8 @@ def train(output: str, config: Optional[TrainConfig] = None,
         optimizer.step()
         optimizer.clear_grad()
         step_seconds = clock() - began
-        log["steps"].append({"phase": "vae", "step": step, "loss": float(loss), "mse": float(mse),
-                             "seconds": round(clock() - start, 3)})
+        log["steps"].append({"phase": "vae", "step": step, "loss": _short(loss), "mse": _short(mse),
+                             "seconds": round(clock() - start, 2)})
         step += 1
     vae.eval()
     for param in vae.parameters():
@@ -274,7 +279,7 @@ def train(output: str, config: Optional[TrainConfig] = None,
         schedule.step()
         ema.update()
         step_seconds = clock() - began
-        log["steps"].append({"phase": "unet", "step": step, "loss": float(loss), "seconds": round(clock() - start, 3)})
+        log["steps"].append({"phase": "unet", "step": step, "loss": _short(loss), "seconds": round(clock() - start, 2)})
         if step % 50 == 0:
             logger.info("step %d: loss %.4f (%.2f s/step)", step, float(loss), step_seconds)
         step += 1
