@@ -169,7 +169,8 @@ def evaluate(model: ShapesClassifier, count: int = 512, seed: int = 1) -> Dict[s
     accuracy = {}
     for name in HEADS:
         known = targets[name] >= 0
-        accuracy[name] = float((predictions[name][known] == targets[name][known]).mean()) if known.any() else float("nan")
+        hits = predictions[name][known] == targets[name][known]
+        accuracy[name] = float(hits.mean()) if known.any() else float("nan")
     return accuracy
 
 

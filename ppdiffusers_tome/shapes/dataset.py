@@ -20,7 +20,7 @@ position is not named (only the relation is), so its label ``position_known`` is
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Sequence, Tuple
 
 import numpy as np
 from PIL import Image, ImageDraw
