@@ -117,3 +117,28 @@ def test_preview_shows_real_images_above_generated_ones():
     assert picture.size == (2 * 66 + 2, 2 * 66 + 2)
     top_left = np.asarray(picture)[2:66, 2:66].astype(np.float64)
     np.testing.assert_array_equal(top_left, np.asarray(dataset.sample(0, seed=999)[0], dtype=np.float64))
+
+
+def test_min_snr_weights_cap_the_signal_to_noise_ratio_and_weight_the_loss():
+    pipe = build_pipeline(seed=0)
+    scheduler = train._noise_scheduler(pipe)
+    timesteps = paddle.to_tensor([0, 50, 400, 999], dtype="int64")
+    assert np.array_equal(train.snr_weights(scheduler, timesteps, None), np.ones(4, np.float32))
+    alpha_bar = scheduler.alphas_cumprod.numpy().astype(np.float64)[[0, 50, 400, 999]]
+    snr = alpha_bar / (1 - alpha_bar)
+    weights = train.snr_weights(scheduler, timesteps, 5.0)
+    np.testing.assert_allclose(weights, np.minimum(snr, 5.0) / snr, rtol=1e-6)
+    assert weights[0] < 0.01 and weights[-1] == 1.0  # early (clean) steps are down-weighted, noisy ones kept
+    latents, noise = paddle.randn([4, 4, 32, 32]), paddle.randn([4, 4, 32, 32])
+    ids = encode_prompts(pipe, ["a red star"] * 4)
+    paddle.seed(1)
+    plain = float(diffusion_loss(pipe.unet, pipe.text_encoder, scheduler, latents, ids, noise, timesteps))
+    weighted = float(diffusion_loss(pipe.unet, pipe.text_encoder, scheduler, latents, ids, noise, timesteps, 5.0))
+    with paddle.no_grad():
+        noisy = scheduler.add_noise(latents, noise, timesteps)
+        prediction = pipe.unet(noisy, timesteps, encoder_hidden_states=pipe.text_encoder(ids)[0]).sample
+    per_sample = ((prediction - noise) ** 2).mean(axis=[1, 2, 3]).numpy()
+    assert plain == pytest.approx(float(per_sample.mean()), rel=1e-5)
+    assert weighted == pytest.approx(float((per_sample * weights).mean()), rel=1e-5)
+    with pytest.raises(ValueError, match="snr_gamma must be > 0"):
+        TrainConfig(snr_gamma=0.0)
