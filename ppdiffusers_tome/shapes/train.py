@@ -16,10 +16,11 @@ Two phases, one clock:
    faster in the literature but is untested here at this scale). The text encoder costs almost nothing next to the
    UNet (20 tokens, two layers of width 64) and a random one would leave the words unseparated, so it is trained
    too. 10 % of the captions are replaced by the empty prompt, so that classifier-free guidance (the pipeline's
-   default) has an unconditional prediction to push away from. The learning rate warms up over 100 steps and, when the number of
-   steps is fixed (``--max-steps``), decays along a cosine to 10 % (:func:`learning_rate_factor`). An exponential
-   moving average of the UNet's weights is what gets saved; its decay ramps up as ``(1 + k) / (10 + k)`` to at most
-   0.999, so after the 1600-2000 UNet steps of a 45-minute run it averages roughly the last 200 steps.
+   default) has an unconditional prediction to push away from. The learning rate warms up over 100 steps and, when
+   the number of steps is fixed (``--max-steps``), decays along a cosine to 10 % (:func:`learning_rate_factor`).
+   An exponential moving average of the UNet's weights is what gets saved; its decay ramps up as
+   ``(1 + k) / (10 + k)`` to at most 0.999, so after the 1600-2000 UNet steps of a 45-minute run it averages
+   roughly the last 200 steps.
 
 Everything is seeded (``--seed``): every step, VAE steps first, takes the next ``batch`` dataset indices (a fresh,
 never repeated stream of images drawn from the same seed); the noise and timesteps come from Paddle's and numpy's
