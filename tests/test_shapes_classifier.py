@@ -112,3 +112,17 @@ def test_short_training_lowers_the_loss_and_the_weights_round_trip(tmp_path):
     np.testing.assert_allclose(extract_features(loaded, images), extract_features(model, images), atol=1e-6)
     with pytest.raises(ValueError, match="path must be a classifier"):
         load_classifier(str(tmp_path / "missing.pdparams"))
+
+
+def test_accuracy_counts_known_targets_only():
+    paddle.seed(0)
+    model = ShapesClassifier()
+    images, _, _ = dataset.batch(range(4), seed=0)
+    predicted = predict(model, images)
+    targets = {name: predicted[name].copy() for name in HEADS}
+    targets["shape"][:2] = (targets["shape"][:2] + 1) % HEADS["shape"]  # two wrong
+    targets["colour"][0] = -1  # not counted
+    targets["position"][:] = -1
+    result = classifier.accuracy(model, images, targets)
+    assert result["shape"] == 0.5 and result["colour"] == 1.0 and result["background"] == 1.0
+    assert np.isnan(result["position"])

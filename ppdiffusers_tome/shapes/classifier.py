@@ -41,6 +41,7 @@ __all__ = [
     "FEATURES",
     "ShapesClassifier",
     "train_classifier",
+    "accuracy",
     "evaluate",
     "predict",
     "extract_features",
@@ -162,16 +163,24 @@ def extract_features(model: ShapesClassifier, images: np.ndarray) -> np.ndarray:
     return _batched(model, images)[0].astype(np.float64)
 
 
-def evaluate(model: ShapesClassifier, count: int = 512, seed: int = 1) -> Dict[str, float]:
-    """Accuracy per head on ``count`` dataset images drawn from ``seed`` (targets ``-1`` are not counted)."""
-    images, _, targets = dataset.batch(range(count), seed=seed)
+def accuracy(model: ShapesClassifier, images: np.ndarray, targets: Dict[str, np.ndarray]) -> Dict[str, float]:
+    """Accuracy per head of ``model`` on ``images`` (float ``[N, 3, H, W]`` in [-1, 1], e.g. generated ones) against
+    ``targets`` (``{head: int [N]}``, as :func:`ppdiffusers_tome.shapes.dataset.batch` returns, or
+    :func:`~ppdiffusers_tome.shapes.dataset.label_indices` of the labels of the captions the images were made from).
+    Targets ``-1`` are not counted; a head without any target scores ``nan``."""
     predictions = predict(model, images)
-    accuracy = {}
+    result = {}
     for name in HEADS:
-        known = targets[name] >= 0
-        hits = predictions[name][known] == targets[name][known]
-        accuracy[name] = float(hits.mean()) if known.any() else float("nan")
-    return accuracy
+        known = np.asarray(targets[name]) >= 0
+        hits = predictions[name][known] == np.asarray(targets[name])[known]
+        result[name] = float(hits.mean()) if known.any() else float("nan")
+    return result
+
+
+def evaluate(model: ShapesClassifier, count: int = 512, seed: int = 1) -> Dict[str, float]:
+    """:func:`accuracy` on ``count`` dataset images drawn from ``seed``."""
+    images, _, targets = dataset.batch(range(count), seed=seed)
+    return accuracy(model, images, targets)
 
 
 # Frechet distance ---------------------------------------------------------------------------------------------------
