@@ -159,7 +159,7 @@ def latent_scale(vae, images) -> float:
     import paddle
 
     with paddle.no_grad():
-        std = float(vae.encode(images).latent_dist.mean.std())
+        std = float(np.std(vae.encode(images).latent_dist.mean.numpy().astype(np.float64)))
     if not std > 0 or not math.isfinite(std):
         raise RuntimeError(f"the VAE's latents have standard deviation {std}; cannot scale them")
     return 1.0 / std
