@@ -142,3 +142,12 @@ def test_min_snr_weights_cap_the_signal_to_noise_ratio_and_weight_the_loss():
     assert weighted == pytest.approx(float((per_sample * weights).mean()), rel=1e-5)
     with pytest.raises(ValueError, match="snr_gamma must be > 0"):
         TrainConfig(snr_gamma=0.0)
+
+
+def test_latent_scale_gives_unit_variance_latents():
+    vae = build_pipeline(seed=0).vae
+    images = paddle.to_tensor(dataset.batch(range(8), seed=0)[0])
+    scale = train.latent_scale(vae, images)
+    with paddle.no_grad():
+        means = vae.encode(images).latent_dist.mean.numpy().astype(np.float64)
+    assert scale > 0 and np.std(means * scale) == pytest.approx(1.0, rel=1e-6)
