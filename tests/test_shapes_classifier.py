@@ -126,3 +126,14 @@ def test_accuracy_counts_known_targets_only():
     result = classifier.accuracy(model, images, targets)
     assert result["shape"] == 0.5 and result["colour"] == 1.0 and result["background"] == 1.0
     assert np.isnan(result["position"])
+
+
+def test_feature_distance_is_zero_for_the_same_images_and_grows_with_a_shift():
+    paddle.seed(0)
+    model = ShapesClassifier()
+    images, _, _ = dataset.batch(range(40), seed=0)
+    other, _, _ = dataset.batch(range(40, 80), seed=0)
+    assert classifier.feature_distance(model, images, images) == pytest.approx(0.0, abs=1e-6)
+    same_kind = classifier.feature_distance(model, images, other)
+    darker = classifier.feature_distance(model, images, np.clip(other - 0.5, -1, 1))
+    assert 0.0 < same_kind < darker

@@ -67,6 +67,8 @@ def test_smoke_run_writes_a_loadable_pipeline_and_its_log(tmp_path):
     assert log["parameters"]["total"] * 4 <= 10 * 1024**2
     with open(out / "vae" / "config.json", encoding="utf-8") as f:
         assert json.load(f)["scaling_factor"] == pytest.approx(log["scaling_factor"])
+    size = sum(path.stat().st_size for path in out.rglob("*") if path.is_file())
+    assert size <= 10 * 1024**2, size  # the folder as it would ship, log included
     pipe = StableDiffusionPipeline.from_pretrained(str(out))
     pipe.set_progress_bar_config(disable=True)
     image = pipe("a small red star at the top left on a blue background", num_inference_steps=1, height=64,
