@@ -9,13 +9,16 @@ Layout (why it trains fastest on two CPU cores while keeping what matters to ToM
   and learns to reconstruct flat shapes within minutes; its latents also compress the image 3x.
 * **UNet2DConditionModel** with three levels (32, 64, 64 channels): transformer blocks at 32x32 (1024 tokens) and
   16x16, a plain ResNet level at 8x8, a cross-attention mid block; heads of 32 channels (1 head at 32x32, 2 below);
-  one ResNet per level. This mirrors SD
-  1.x (attention at the full latent resolution, where ToMe merges) at ~1/1000 of its width.
+  one ResNet per level. This mirrors SD 1.x (attention at the full latent resolution, where ToMe merges) at 1/10
+  of its width (32 channels against 320) and 1/580 of its parameters.
 * **A 2-layer CLIP text encoder** (width 64) and a **CLIP tokenizer with a word-level vocabulary**: the byte-level
   vocabulary of :mod:`ppdiffusers_tome.presets` plus BPE merges that make every dataset word one token (any other
   text still tokenizes, byte by byte). Whole-word tokens spare the tiny encoder from learning spelling, and a
   caption fits in :data:`MAX_LENGTH` = 20 tokens (the longest caption has 16 with its two special tokens).
 * **DDIM** (SD's scaled-linear betas, 1000 training steps) for sampling; training adds noise with the same betas.
+
+Parameters: 1.77 M in all (UNet 1.49 M, VAE 0.17 M, text encoder 0.11 M), 7.1 MB in float32; a saved folder takes
+6.9 MB on disk (:func:`count_parameters`).
 
 Everything is offline: the tokenizer files are written on the fly, and :func:`build_pipeline` + ``save_pretrained``
 make a folder that ``StableDiffusionPipeline.from_pretrained`` and :func:`ppdiffusers_tome.presets.load_local_pipeline`
