@@ -304,7 +304,10 @@ def render(paths: List[str], folder: str) -> None:
 
 
 def write_pareto(result: Dict[str, Any], folder: str) -> None:
-    """Speed-up against PSNR per cell, the Pareto front joined (configurations no other beats on both)."""
+    """Per cell: distance from vanilla (rel L2, seed spread as error bars) against the eager ops the configuration
+    adds to a UNet call on a GPU (the launch budget), each point labelled with its CPU speed-up. Every merging
+    configuration at ratio 0.5 shortens attention alike, so on a GPU the cheaper and closer ones win: the grey line
+    joins those that no other beats on both axes."""
     try:
         import matplotlib
 
@@ -314,18 +317,21 @@ def write_pareto(result: Dict[str, Any], folder: str) -> None:
         print("matplotlib is not installed: no plot")
         return
     cells = result["cells"]
-    fig, axes = plt.subplots(1, len(cells), figsize=(4.2 * len(cells), 3.6), squeeze=False)
+    fig, axes = plt.subplots(1, len(cells), figsize=(4.6 * len(cells), 4.0), squeeze=False)
     for ax, cell in zip(axes[0], cells):
-        points = [(n, c["speedup"], min(c["psnr_mean"], 60.0)) for n, c in cell["configs"].items()]
-        front = [p for p in points if not any(q[1] >= p[1] and q[2] >= p[2] and q != p for q in points)]
-        front.sort(key=lambda p: p[1])
-        ax.plot([p[1] for p in front], [p[2] for p in front], "-", color="0.7", zorder=0)
-        for name, speed, quality in points:
-            ax.scatter([speed], [quality], zorder=1)
-            ax.annotate(name, (speed, quality), textcoords="offset points", xytext=(4, 3), fontsize=7)
-        ax.set_title(f"{cell['preset']} {cell['resolution']}px", fontsize=9)
-        ax.set_xlabel("UNet speed-up over vanilla (CPU)", fontsize=8)
-        ax.set_ylabel("PSNR of decoded x0 to vanilla (dB)", fontsize=8)
+        points = [(name, cell["gpu_ops"][name]["per_call"], c["rel_l2_mean"], c["rel_l2_sd"], c["speedup"])
+                  for name, c in cell["configs"].items() if name in cell["gpu_ops"]]
+        front = sorted((p for p in points if not any(q[1] <= p[1] and q[2] <= p[2] and q != p for q in points)),
+                       key=lambda p: p[1])
+        ax.plot([p[1] for p in front], [p[2] for p in front], "-", color="0.75", zorder=0)
+        for name, ops, rel, spread, speed in points:
+            ax.errorbar([ops], [rel], yerr=[spread], fmt="o", capsize=3, zorder=1)
+            ax.annotate(f"{name} ({speed:.2f}x)", (ops, rel), textcoords="offset points", xytext=(6, -3),
+                        fontsize=7)
+        ax.set_title(f"{cell['preset']} {cell['resolution']}px, ratio 0.5", fontsize=9)
+        ax.set_xlabel("eager ops added per UNet call, GPU branch (launches)", fontsize=8)
+        ax.set_ylabel("rel L2 of the UNet output to vanilla", fontsize=8)
+        ax.set_xlim(0, max(p[1] for p in points) * 1.45)
         ax.tick_params(labelsize=7)
     fig.tight_layout()
     fig.savefig(os.path.join(folder, "pareto.png"), dpi=120, metadata={"Software": None})
