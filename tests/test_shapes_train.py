@@ -76,6 +76,31 @@ def test_smoke_run_writes_a_loadable_pipeline_and_its_log(tmp_path):
     assert image.shape == (1, 64, 64, 3) and np.isfinite(image).all()
 
 
+def test_the_reproduction_command_gives_the_same_weights_twice(tmp_path):
+    """What training.json promises: fixed step counts (and --lr-decay none, as a time-budgeted run has) make a run
+    repeatable on the same thread count."""
+    from safetensors.numpy import load_file
+
+    weights = []
+    for name in ("a", "b"):
+        out = tmp_path / name
+        assert train.main(["--minutes", "2", "--output", str(out), "--max-steps", "4", "--vae-steps", "2",
+                           "--batch-size", "2", "--threads", "1", "--lr-decay", "none"]) == 0
+        weights.append(load_file(str(out / "unet" / "diffusion_paddle_model.safetensors")))
+        with open(out / "train_log.json", encoding="utf-8") as f:
+            assert json.load(f)["settings"]["lr_decay"] == "none"
+    assert weights[0].keys() == weights[1].keys()
+    for key in weights[0]:
+        np.testing.assert_array_equal(weights[0][key], weights[1][key], err_msg=key)
+
+
+def test_lr_decay_option_is_validated_by_name():
+    with pytest.raises(ValueError, match="lr_decay must be 'auto', 'cosine' or 'none'"):
+        TrainConfig(lr_decay="linear")
+    with pytest.raises(ValueError, match="lr_decay='cosine' needs max_steps"):
+        TrainConfig(lr_decay="cosine")
+
+
 def test_the_time_budget_stops_the_run(tmp_path):
     ticks = iter(np.arange(0.0, 10**6, 7.0))  # every look at the clock moves it 7 s on
     log = train.train(str(tmp_path), TrainConfig(minutes=1.0, batch_size=1, threads=1, vae_fraction=0.25),
@@ -121,16 +146,28 @@ def test_preview_shows_real_images_above_generated_ones():
     np.testing.assert_array_equal(top_left, np.asarray(dataset.sample(0, seed=999)[0], dtype=np.float64))
 
 
-def test_min_snr_weights_cap_the_signal_to_noise_ratio_and_weight_the_loss():
+def _epsilon_scheduler():
+    """SD's own schedule (epsilon prediction, non-zero terminal SNR), as a training scheduler."""
+    from ppdiffusers import DDPMScheduler
+
+    from ppdiffusers_tome.presets import make_scheduler
+
+    return DDPMScheduler.from_config(make_scheduler("DDIMScheduler").config)
+
+
+@pytest.mark.parametrize("kind", ["epsilon", "v_prediction"])
+def test_min_snr_weights_cap_the_signal_to_noise_ratio_and_weight_the_loss(kind):
     pipe = build_pipeline(seed=0)
-    scheduler = train._noise_scheduler(pipe)
+    scheduler = train._noise_scheduler(pipe) if kind == "v_prediction" else _epsilon_scheduler()
+    assert scheduler.config.prediction_type == kind
     timesteps = paddle.to_tensor([0, 50, 400, 999], dtype="int64")
     assert np.array_equal(train.snr_weights(scheduler, timesteps, None), np.ones(4, np.float32))
     alpha_bar = scheduler.alphas_cumprod.numpy().astype(np.float64)[[0, 50, 400, 999]]
-    snr = alpha_bar / (1 - alpha_bar)
+    snr = alpha_bar / np.maximum(1 - alpha_bar, 1e-12)
     weights = train.snr_weights(scheduler, timesteps, 5.0)
-    np.testing.assert_allclose(weights, np.minimum(snr, 5.0) / snr, rtol=1e-6)
-    assert weights[0] < 0.01 and weights[-1] == 1.0  # early (clean) steps are down-weighted, noisy ones kept
+    expected = np.minimum(snr, 5.0) / (snr + 1.0 if kind == "v_prediction" else snr)
+    np.testing.assert_allclose(weights, expected, rtol=1e-6)
+    assert np.all(np.isfinite(weights)) and weights[0] < 0.01  # early (clean) steps are down-weighted
     latents, noise = paddle.randn([4, 4, 32, 32]), paddle.randn([4, 4, 32, 32])
     ids = encode_prompts(pipe, ["a red star"] * 4)
     paddle.seed(1)
@@ -139,11 +176,26 @@ def test_min_snr_weights_cap_the_signal_to_noise_ratio_and_weight_the_loss():
     with paddle.no_grad():
         noisy = scheduler.add_noise(latents, noise, timesteps)
         prediction = pipe.unet(noisy, timesteps, encoder_hidden_states=pipe.text_encoder(ids)[0]).sample
-    per_sample = ((prediction - noise) ** 2).mean(axis=[1, 2, 3]).numpy()
-    assert plain == pytest.approx(float(per_sample.mean()), rel=1e-5)
-    assert weighted == pytest.approx(float((per_sample * weights).mean()), rel=1e-5)
+    # the target, from the closed form: v = sqrt(alpha_bar) * noise - sqrt(1 - alpha_bar) * x0
+    a = paddle.to_tensor(alpha_bar.astype(np.float32)).reshape([4, 1, 1, 1])
+    target = a.sqrt() * noise - (1 - a).sqrt() * latents if kind == "v_prediction" else noise
+    per_sample = ((prediction - target) ** 2).mean(axis=[1, 2, 3]).numpy()
+    assert plain == pytest.approx(float(per_sample.mean()), rel=1e-4)
+    assert weighted == pytest.approx(float((per_sample * weights).mean()), rel=1e-4)
     with pytest.raises(ValueError, match="snr_gamma must be > 0"):
         TrainConfig(snr_gamma=0.0)
+
+
+def test_shapes_scheduler_has_zero_terminal_snr_and_samples_from_the_last_step():
+    from ppdiffusers_tome.shapes.model import SCHEDULER_CONFIG, build_scheduler
+
+    scheduler = build_scheduler()
+    alpha_bar = scheduler.alphas_cumprod.numpy().astype(np.float64)
+    assert alpha_bar[-1] < 1e-6 and alpha_bar[0] > 0.99  # no image left at t = 999; nearly clean at t = 0
+    scheduler.set_timesteps(20)
+    steps = [int(t) for t in scheduler.timesteps]
+    assert steps[0] == 999 and steps == sorted(steps, reverse=True) and len(steps) == 20  # trailing spacing
+    assert SCHEDULER_CONFIG["prediction_type"] == "v_prediction"
 
 
 def test_latent_scale_gives_unit_variance_latents():

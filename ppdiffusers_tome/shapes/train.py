@@ -11,21 +11,26 @@ Two phases, one clock:
    images are flat colours and gradients, so a few minutes give sharp reconstructions; after that the VAE is frozen
    and its ``scaling_factor`` is set to ``1 / std`` of the latents of a fixed batch (as SD's 0.18215), so the UNet
    sees unit-variance latents.
-2. **UNet and text encoder** (the rest of the budget), jointly: the standard epsilon-prediction loss (DDPM noise with
-   SD's scaled-linear betas, uniform timesteps; ``--snr-gamma`` switches on Min-SNR weighting, which converges
+2. **UNet and text encoder** (the rest of the budget), jointly: the standard diffusion loss on the VAE posterior's
+   mean, with the target the scheduler names (v-prediction with zero terminal SNR for the shapes model:
+   :data:`~ppdiffusers_tome.shapes.model.SCHEDULER_CONFIG` says why; epsilon for SD's own schedule), uniform
+   timesteps; ``--snr-gamma`` switches on Min-SNR weighting, which converges
    faster in the literature but is untested here at this scale). The text encoder costs almost nothing next to the
    UNet (20 tokens, two layers of width 64) and a random one would leave the words unseparated, so it is trained
    too. 10 % of the captions are replaced by the empty prompt, so that classifier-free guidance (the pipeline's
    default) has an unconditional prediction to push away from. The learning rate warms up over 100 steps and, when
    the number of steps is fixed (``--max-steps``), decays along a cosine to 10 % (:func:`learning_rate_factor`).
    An exponential moving average of the UNet's weights is what gets saved; its decay ramps up as
-   ``(1 + k) / (10 + k)`` to at most 0.999, so after the 1600-2000 UNet steps of a 45-minute run it averages
+   ``(1 + k) / (10 + k)`` to at most 0.999, so after the ~1900 UNet steps of a 45-minute run it averages
    roughly the last 200 steps.
 
 Everything is seeded (``--seed``): every step, VAE steps first, takes the next ``batch`` dataset indices (a fresh,
 never repeated stream of images drawn from the same seed); the noise and timesteps come from Paddle's and numpy's
 generators seeded once. A time budget makes the step count depend on the machine's speed: to reproduce shipped
-weights exactly, give ``--max-steps`` and ``--vae-steps`` (with a budget large enough to reach them).
+weights, give ``--max-steps`` and ``--vae-steps`` (with a budget large enough to reach them) and ``--lr-decay none``
+(a time-budgeted run keeps its learning rate constant); ``ppdiffusers_tome/shapes/weights/training.json`` has the
+command. The same steps see the same images, noise and timesteps; the weights agree to float rounding, which
+depends on the thread count.
 A run stops at the first step that would end past the budget (the clock includes building the models, not saving).
 The output folder gets the pipeline (``save_pretrained``, loadable offline by
 ``StableDiffusionPipeline.from_pretrained``) and ``train_log.json``: the settings, and the loss of every step with
@@ -75,6 +80,7 @@ class TrainConfig:
         threads: Optional[int] = None,
         save_every_minutes: float = 5.0,
         snr_gamma: Optional[float] = None,
+        lr_decay: str = "auto",
     ) -> None:
         if not minutes > 0:
             raise ValueError(f"minutes must be > 0; got {minutes}")
@@ -101,6 +107,11 @@ class TrainConfig:
         if snr_gamma is not None and not snr_gamma > 0:
             raise ValueError(f"snr_gamma must be > 0 or None; got {snr_gamma}")
         self.snr_gamma = snr_gamma
+        if lr_decay not in ("auto", "cosine", "none"):
+            raise ValueError(f"lr_decay must be 'auto', 'cosine' or 'none'; got {lr_decay!r}")
+        if lr_decay == "cosine" and max_steps is None:
+            raise ValueError("lr_decay='cosine' needs max_steps (the decay ends there)")
+        self.lr_decay = lr_decay  # auto: cosine with max_steps, constant with a time budget only
 
     def as_dict(self) -> Dict[str, Any]:
         return dict(vars(self))
@@ -134,7 +145,9 @@ def snr_weights(scheduler, timesteps, gamma: Optional[float]) -> np.ndarray:
     if not gamma > 0:
         raise ValueError(f"snr_gamma must be > 0 or None; got {gamma}")
     alpha_bar = np.asarray(scheduler.alphas_cumprod.numpy(), dtype=np.float64)[steps]
-    snr = alpha_bar / (1.0 - alpha_bar)
+    snr = alpha_bar / np.maximum(1.0 - alpha_bar, 1e-12)
+    if scheduler.config.prediction_type == "v_prediction":  # the v-loss is the eps-loss times SNR / (SNR + 1)...
+        return (np.minimum(snr, gamma) / (snr + 1.0)).astype(np.float32)  # ...finite at zero terminal SNR too
     return (np.minimum(snr, gamma) / snr).astype(np.float32)
 
 
@@ -148,7 +161,11 @@ def diffusion_loss(unet, text_encoder, scheduler, latents, input_ids, noise, tim
     noisy = scheduler.add_noise(latents, noise, timesteps)
     context = text_encoder(input_ids)[0]
     prediction = unet(noisy, timesteps, encoder_hidden_states=context).sample
-    per_sample = ((prediction - noise) ** 2).mean(axis=[1, 2, 3])
+    if scheduler.config.prediction_type == "v_prediction":
+        target = scheduler.get_velocity(latents, noise, timesteps)
+    else:
+        target = noise
+    per_sample = ((prediction - target) ** 2).mean(axis=[1, 2, 3])
     if snr_gamma is None:
         return per_sample.mean()
     return (per_sample * paddle.to_tensor(snr_weights(scheduler, timesteps, snr_gamma))).mean()
@@ -282,7 +299,8 @@ def train(output: str, config: Optional[TrainConfig] = None,
     text_encoder.train()
     parameters = list(unet.parameters()) + list(text_encoder.parameters())
     unet_steps = None if config.max_steps is None else max(config.max_steps - len(log["steps"]), 1)
-    schedule = paddle.optimizer.lr.LambdaDecay(config.unet_lr, lambda k: learning_rate_factor(k, unet_steps))
+    decay_total = None if config.lr_decay == "none" else unet_steps  # (unet_steps is None without max_steps)
+    schedule = paddle.optimizer.lr.LambdaDecay(config.unet_lr, lambda k: learning_rate_factor(k, decay_total))
     optimizer = paddle.optimizer.AdamW(learning_rate=schedule, parameters=parameters, weight_decay=1e-2,
                                        grad_clip=paddle.nn.ClipGradByGlobalNorm(1.0))
     ema = _Ema(unet)
@@ -294,8 +312,8 @@ def train(output: str, config: Optional[TrainConfig] = None,
         began = clock()
         images, captions = next_batch()
         captions = ["" if rng.random() < CAPTION_DROPOUT else c for c in captions]
-        with paddle.no_grad():
-            latents = vae.encode(images).latent_dist.sample() * scaling
+        with paddle.no_grad():  # the posterior's mean: its sampling noise is not something a caption can predict
+            latents = vae.encode(images).latent_dist.mean * scaling
         noise = paddle.randn(latents.shape, dtype=latents.dtype)
         timesteps = paddle.to_tensor(rng.integers(0, scheduler.config.num_train_timesteps, len(captions)),
                                      dtype="int64")
@@ -391,6 +409,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--save-every", type=float, default=5.0, help="minutes between checkpoints (default 5)")
     parser.add_argument("--snr-gamma", type=float, default=None,
                         help="Min-SNR loss weighting with this gamma (e.g. 5); default: the standard unweighted loss")
+    parser.add_argument("--lr-decay", choices=["auto", "cosine", "none"], default="auto",
+                        help="UNet learning rate after warm-up: cosine to 10%% at --max-steps, or constant (none); "
+                             "auto: cosine when --max-steps is given (default auto). The shipped weights come from a "
+                             "time budget, so their reproduction gives --lr-decay none with the step counts")
     parser.add_argument("--preview", default=None,
                         help="after training, write a PNG here: held-out images above what the model draws from "
                              "their captions (20 DDIM steps)")
@@ -406,6 +428,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             minutes=args.minutes, seed=args.seed, batch_size=args.batch_size, unet_lr=args.unet_lr,
             vae_lr=args.vae_lr, vae_fraction=args.vae_fraction, max_steps=args.max_steps, vae_steps=args.vae_steps,
             threads=args.threads, save_every_minutes=args.save_every, snr_gamma=args.snr_gamma,
+            lr_decay=args.lr_decay,
         )
     except ValueError as error:
         _parser().error(str(error))
