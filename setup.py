@@ -14,13 +14,15 @@ long_description = open(readme, encoding="utf-8").read() if os.path.exists(readm
 
 setup(
     name="ppdiffusers_tome",
-    version="0.5.0",
+    version="0.6.0",
     description="Token Merging for Stable Diffusion (ToMe SD) for PaddlePaddle and ppdiffusers",
     long_description=long_description,
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     packages=find_packages(include=["ppdiffusers_tome", "ppdiffusers_tome.*"]),
-    package_data={"ppdiffusers_tome": ["configs/*.json"]},
+    # the presets' configs, and the trained shapes model + classifier (shapes/weights: about 9.5 MB)
+    package_data={"ppdiffusers_tome": ["configs/*.json", "shapes/weights/*.json", "shapes/weights/*.pdparams",
+                                       "shapes/weights/pipeline/*.json", "shapes/weights/pipeline/*/*"]},
     python_requires=">=3.8",
     install_requires=["ppdiffusers>=0.29,<0.30", "numpy", "Pillow"],
     extras_require={"test": ["pytest>=7", "hypothesis>=6"], "plots": ["matplotlib>=3.5"]},

@@ -65,4 +65,17 @@ def test_wheel_installs_into_a_fresh_folder_and_its_command_runs_from_elsewhere(
     assert "ToMe demo: preset:tiny" in done.stdout
     assert "No ccache found" not in done.stderr and "building preset tiny" in done.stderr  # the command line's quiet
     assert (elsewhere / "out" / "results.json").is_file() and (elsewhere / "out" / "demo.png").is_file()
-    assert sorted(os.listdir(elsewhere)) == ["out"]
+
+    # the default demo: the trained shapes model, loaded from the wheel's own copy of the weights
+    command = [str(script), "demo", "--steps", "2", "--ratios", "0.5", "--repeats", "1", "--threads", "1",
+               "--output", str(elsewhere / "shapes")]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=elsewhere, env=env)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "ToMe demo: shapes model (trained, shipped in the package)" in done.stdout
+    check = ("from ppdiffusers_tome.shapes import shipped\n"
+             "print(shipped.has_weights(), shipped.pipeline_folder())")
+    done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=300, cwd=elsewhere,
+                          env=env)
+    has, folder = done.stdout.split()
+    assert has == "True" and folder.startswith(str(site))
+    assert sorted(os.listdir(elsewhere)) == ["out", "shapes"]
