@@ -5,8 +5,10 @@ when it dispatches, so ``--help`` and ``--version`` answer at once without Paddl
 ``__init__`` skips them too for those two flags).
 
 ``demo`` runs a pipeline with and without ToMe side by side at one resolution, prints a table (time, speed-up, peak
-memory, difference to vanilla), and writes a PNG grid and a JSON record. With no ``--model`` it uses the embedded
-default model (a Stable Diffusion pipeline built from a shipped config with random weights), so it needs no download.
+memory, difference to vanilla), and writes a PNG grid and a JSON record. With neither ``--model`` nor ``--preset`` it
+runs the shapes model that ships trained inside the package (:mod:`ppdiffusers_tome.shapes.shipped`: 64x64 images a
+person can compare), so it needs no download; a ``--preset`` is a full-size layout with random weights, for speed.
+``--model shapes`` names the shipped model in ``bench`` too.
 ``bench`` measures a grid of resolutions, batch sizes and methods (see :mod:`ppdiffusers_tome.bench`); the demo is
 one resolution of the same engine.
 """
@@ -22,6 +24,9 @@ from . import __version__
 from .presets import DEFAULT_PRESET, available_presets, default_resolution, preset_summary
 from .quiet import configure_logging, ignore_import_warnings
 
+# shapes.shipped.DEMO_PROMPT and bench.BenchSettings.prompt, repeated for the same reason (a test keeps them equal)
+SHAPES_PROMPT = "a large red star at the top left on a blue background"
+DEFAULT_PROMPT = "a lighthouse on a cliff at sunset, detailed oil painting"
 # bench.ALL_METHODS, repeated here so that ``--help`` does not import bench (and Paddle); a test keeps them equal
 BENCH_METHODS = ("vanilla", "tome", "tome-efficient", "todo", "todo-efficient", "builtin", "bound")
 
@@ -63,10 +68,14 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
         return f"{text} (default: {shown.replace('%', '%%')})"
 
 
-def _presets_epilog() -> str:
-    lines = ["presets (random weights, built offline; default resolution in pixels):"]
+def _presets_epilog(default: Optional[str] = DEFAULT_PRESET) -> str:
+    lines = []
+    if default is None:  # the demo: the shipped trained model runs unless a preset or a folder is named
+        lines += ["model (trained, shipped in the package; the default):",
+                  f"  {'shapes':<18} {64:>5} px  coloured shapes from a caption (--model shapes)", ""]
+    lines.append("presets (random weights, built offline; default resolution in pixels):")
     for name in available_presets():
-        mark = " (default)" if name == DEFAULT_PRESET else ""
+        mark = " (default)" if name == default else ""
         lines.append(f"  {name:<18} {default_resolution(name):>5} px  {preset_summary(name)}{mark}")
     return "\n".join(lines)
 
@@ -89,24 +98,33 @@ def _add_demo_parser(sub: argparse._SubParsersAction) -> None:
     demo = sub.add_parser(
         "demo", help="vanilla vs ToMe side by side: table, PNG grid, JSON", formatter_class=_HelpFormatter,
         description="Run one pipeline without and with ToMe at the same seed, interleaved, and compare time,\n"
-                    "memory and the images. Without --model it builds a preset with random weights (no download),\n"
-                    "so its images are noise.",
-        epilog=_presets_epilog(),
+                    "memory and the images. By default it runs the shapes model that ships trained in the package\n"
+                    "(64x64 images of coloured shapes drawn from a caption; no download). --preset builds a\n"
+                    "full-size layout with random weights instead (its images are noise; for speed), --model loads\n"
+                    "a pipeline folder.",
+        epilog=_presets_epilog(default=None),
     )
     source = demo.add_mutually_exclusive_group()
-    source.add_argument("--model", help="a local pipeline folder (model_index.json) instead of a preset")
+    source.add_argument("--model", help="a local pipeline folder (model_index.json), or 'shapes' (the shipped "
+                                        "trained model; the default when --preset is not given either)")
     source.add_argument("--preset", "--arch", dest="preset", choices=available_presets(), metavar="PRESET",
-                        default=DEFAULT_PRESET, help="a shipped model layout, listed below (--arch is an alias)")
+                        default=None, help="a model layout with random weights, listed below (--arch is an alias; "
+                                           "default: none, the shipped shapes model runs)")
     demo.add_argument("--resolution", type=_resolution, default=None,
                       help="image height and width in pixels (default: the preset's, listed below; for --model the "
                            "model's own sample size)")
     demo.add_argument("--ratios", type=float, nargs="+", default=[0.3, 0.5], help="ToMe ratios to compare")
     demo.add_argument("--max-downsample", type=_level, default="auto", help="ToMe max_downsample (auto, 1, 2, 4 or 8)")
-    demo.add_argument("--steps", type=_positive_int, default=8, help="denoising steps")
+    demo.add_argument("--steps", type=_positive_int, default=None,
+                      help="denoising steps (default: 20 for the shapes model, 8 for a preset or --model)")
     demo.add_argument("--repeats", type=_positive_int, default=3, help="timed runs per method (median reported)")
     demo.add_argument("--seed", type=int, default=0,
                       help="seed of a preset's random weights and of the initial latents")
-    demo.add_argument("--prompt", default="a lighthouse on a cliff at sunset, detailed oil painting", help="prompt")
+    demo.add_argument("--prompt", default=None,
+                      help=f"prompt (default: {SHAPES_PROMPT!r} for the shapes model, whose vocabulary is its "
+                           f"captions' words; {DEFAULT_PROMPT!r} otherwise)")
+    demo.add_argument("--guidance-scale", type=float, default=None,
+                      help="classifier-free guidance (default: 4.0 for the shapes model, the pipeline's own otherwise)")
     demo.add_argument("--threads", type=_positive_int, default=None, help="CPU threads for Paddle (default: all)")
     demo.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32",
                       help="float16 and bfloat16 need a GPU")
@@ -120,7 +138,8 @@ def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
     source.add_argument("--preset", "--arch", dest="preset", choices=available_presets(), metavar="PRESET",
                         default=DEFAULT_PRESET,
                         help="model layout with random weights, listed below (--arch is an alias)")
-    source.add_argument("--model", help="a local pipeline folder instead of --preset")
+    source.add_argument("--model", help="a local pipeline folder instead of --preset, or 'shapes' (the shipped "
+                                        "trained 64x64 model)")
     bench.add_argument("--resolutions", type=_resolution, nargs="+", default=None,
                        help="image sizes in pixels (default: the preset's, listed below)")
     bench.add_argument("--batch-sizes", type=_positive_int, nargs="+", default=[1], help="images per call")

@@ -129,7 +129,10 @@ def test_demo_help_lists_presets_and_defaults(capsys):
     for name in available_presets():
         line = next(line for line in out.splitlines() if line.strip().startswith(name + " "))
         assert f"{default_resolution(name)} px" in line
-    assert "(default: 8)" in out and "(default: 0.3 0.5)" in out and "(default: sd15-narrow)" in out
+    flat = " ".join(out.split())  # (argparse wraps the help lines)
+    assert "default: 20 for the shapes model, 8 for a preset" in flat and "(default: 0.3 0.5)" in flat
+    assert "the shipped shapes model runs" in flat and "(default)" not in out  # no preset is the demo's default
+    assert "shapes" in out.split("presets (random weights")[0]  # the trained model is listed first
     assert "--arch" in out and "(default: None)" not in out
 
 
@@ -140,7 +143,74 @@ def test_preset_and_arch_name_the_same_option(command):
     parser = build_parser()
     assert parser.parse_args([command, "--preset", "tiny"]).preset == "tiny"
     assert parser.parse_args([command, "--arch", "tiny-sdxl"]).preset == "tiny-sdxl"
-    assert parser.parse_args([command]).preset == "sd15-narrow"
+    assert parser.parse_args([command]).preset == ("sd15-narrow" if command == "bench" else None)
+
+
+def test_prompt_defaults_repeated_in_the_parser_equal_the_ones_used():
+    from ppdiffusers_tome.bench.methods import BenchSettings
+    from ppdiffusers_tome.cli import DEFAULT_PROMPT, SHAPES_PROMPT
+    from ppdiffusers_tome.shapes.shipped import DEMO_PROMPT
+
+    assert SHAPES_PROMPT == DEMO_PROMPT and DEFAULT_PROMPT == BenchSettings.prompt
+
+
+def test_demo_without_a_source_runs_the_shipped_shapes_model_with_its_own_defaults():
+    from ppdiffusers_tome.bench.commands import resolve_model
+    from ppdiffusers_tome.cli import build_parser
+    from ppdiffusers_tome.shapes import shipped
+
+    parser = build_parser()
+    args = parser.parse_args(["demo"])
+    assert resolve_model(args) is True
+    assert args.model == shipped.pipeline_folder() and args.preset is None
+    assert (args.prompt, args.steps, args.guidance_scale) == (shipped.DEMO_PROMPT, shipped.DEMO_STEPS,
+                                                              shipped.DEMO_GUIDANCE)
+    # what the user gives wins
+    args = parser.parse_args(["demo", "--prompt", "a small blue circle at the center on a white background",
+                              "--steps", "3", "--guidance-scale", "2"])
+    resolve_model(args)
+    assert (args.prompt, args.steps, args.guidance_scale) == (
+        "a small blue circle at the center on a white background", 3, 2.0)
+    # a preset keeps the full-size defaults: its pipeline's guidance, 8 steps, the SD-style prompt
+    args = parser.parse_args(["demo", "--preset", "tiny"])
+    assert resolve_model(args) is False
+    assert args.model is None and args.steps == 8 and args.guidance_scale is None and "lighthouse" in args.prompt
+
+
+def test_model_shapes_names_the_shipped_folder_in_bench_too(tmp_path, monkeypatch):
+    from ppdiffusers_tome.bench.commands import model_layout, resolve_model
+    from ppdiffusers_tome.cli import build_parser
+    from ppdiffusers_tome.shapes import shipped
+
+    args = build_parser().parse_args(["bench", "--model", "shapes"])
+    assert resolve_model(args) is True and args.model == shipped.pipeline_folder()
+    assert model_layout(args)[1] == 64  # 32x32 latents through the 2x VAE
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "shapes").mkdir()  # a user's own folder called "shapes" is taken as that folder
+    args = build_parser().parse_args(["bench", "--model", "shapes"])
+    assert resolve_model(args) is False and args.model == "shapes"
+
+
+def test_missing_shipped_weights_are_a_clear_error(monkeypatch, capsys, tmp_path):
+    from ppdiffusers_tome.shapes import shipped
+
+    monkeypatch.setattr(shipped, "WEIGHTS_DIR", str(tmp_path / "nothing"))
+    assert main(["demo", "--output", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "weights are missing" in err and "--preset" in err
+
+
+def test_default_demo_shows_the_prompt_and_no_noise_warning(tmp_path, capsys):
+    assert main(["demo", "--steps", "2", "--ratios", "0.5", "--repeats", "1", "--threads", "1",
+                 "--output", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    from ppdiffusers_tome.shapes.shipped import DEMO_PROMPT
+
+    assert "ToMe demo: shapes model (trained, shipped in the package), 64x64, 2 steps" in out
+    assert f"prompt: {DEMO_PROMPT!r}" in out and "The images are noise" not in out and "merging saves little" in out
+    record = read_record(tmp_path)
+    assert record["settings"]["prompt"] == DEMO_PROMPT and record["settings"]["guidance_scale"] == 4.0
+    assert (tmp_path / "demo.png").is_file()
 
 
 def test_unknown_preset_is_refused_with_the_list(capsys):

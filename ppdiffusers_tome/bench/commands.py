@@ -36,6 +36,32 @@ logger = logging.getLogger(__name__)
 
 
 # shared set-up ---------------------------------------------------------------------------------------------------
+SHAPES_MODEL = "shapes"  # --model shapes: the trained model shipped in the package
+
+
+def resolve_model(args: argparse.Namespace) -> bool:
+    """Put the shipped shapes model's folder in ``args.model`` when it is asked for (``--model shapes``, unless a
+    folder of that name exists) or, for ``demo``, when neither ``--model`` nor ``--preset`` is given; then fill the
+    demo's unset ``--prompt``, ``--steps`` and ``--guidance-scale`` for the model that runs. Returns whether it is
+    the shapes model."""
+    from ..shapes import shipped
+
+    demo = getattr(args, "command", None) == "demo"
+    wanted = args.model == SHAPES_MODEL and not os.path.isdir(SHAPES_MODEL)
+    wanted = wanted or (demo and not args.model and not args.preset)
+    if wanted:
+        if not shipped.has_weights():
+            raise ValueError(f"--model shapes: the trained weights are missing from {shipped.WEIGHTS_DIR} (a partial "
+                             "install?); name a --preset or a --model folder")
+        args.model = shipped.pipeline_folder()
+    if demo:
+        args.prompt = args.prompt or (shipped.DEMO_PROMPT if wanted else BenchSettings.prompt)
+        args.steps = args.steps or (shipped.DEMO_STEPS if wanted else 8)
+        if args.guidance_scale is None and wanted:
+            args.guidance_scale = shipped.DEMO_GUIDANCE
+    return wanted
+
+
 def check_dtype(dtype: str) -> None:
     """Refuse half precision without a GPU (Paddle's CPU build has no half-precision matmul)."""
     if dtype != "float32" and not on_gpu():
@@ -79,11 +105,19 @@ def prepare(args: argparse.Namespace, dtype: str, resolutions: Sequence[int], im
     if args.model:
         logger.info("loading the pipeline in %s ...", args.model)
         pipe, source = presets.load_local_pipeline(args.model, dtype=dtype), os.path.abspath(args.model)
+        if source == os.path.abspath(_shipped_folder()):
+            source = "shapes model (trained, shipped in the package)"
     else:
         logger.info("building preset %s with random weights (its images are noise) ...", args.preset)
         pipe = presets.preset_pipeline(args.preset, seed=args.seed, dtype=dtype)
         source = f"preset:{args.preset} (random weights)"
     return Prepared(pipe, source, threads)
+
+
+def _shipped_folder() -> str:
+    from ..shapes.shipped import pipeline_folder
+
+    return pipeline_folder()
 
 
 @contextlib.contextmanager
@@ -109,10 +143,10 @@ def measure_demo(prepared: Prepared, args: argparse.Namespace, size: int) -> Tup
     pipe = prepared.pipe
     logger.info("warming up (%s, %dx%d)", prepared.source, size, size)
     with step_bar(pipe, 1, "warm-up"):
-        pipe(**pipeline_kwargs(pipe, size, 1, 1, args.seed, args.prompt))
+        pipe(**pipeline_kwargs(pipe, size, 1, 1, args.seed, args.prompt, args.guidance_scale))
     settings = BenchSettings(resolutions=[size], ratios=args.ratios, methods=("vanilla", "tome"), steps=args.steps,
                              repeats=args.repeats, warmup=0, max_downsample=args.max_downsample, seed=args.seed,
-                             prompt=args.prompt, count_ops=False)
+                             prompt=args.prompt, guidance_scale=args.guidance_scale, count_ops=False)
     methods = [Method("vanilla")] + [Method("tome", float(r)) for r in args.ratios]
 
     def bar(method: Method, repeat: int):
@@ -133,6 +167,7 @@ def _runs(repeats: int) -> str:
 def run_demo(args: argparse.Namespace) -> Dict[str, Any]:
     """``ppdiffusers-tome demo``: table on stdout, ``demo.png`` and ``results.json`` in ``--output``."""
     device = default_device()
+    shapes = resolve_model(args)
     size = args.resolution or model_layout(args)[1]
     prepared = prepare(args, args.dtype, [size], 1, "--resolution", device)
     rows, images = measure_demo(prepared, args, size)
@@ -140,7 +175,8 @@ def run_demo(args: argparse.Namespace) -> Dict[str, Any]:
     png = os.path.join(args.output, "demo.png")
     demo_grid(rows, images).save(png)
     settings = {"resolution": size, "steps": args.steps, "repeats": args.repeats, "seed": args.seed,
-                "prompt": args.prompt, "max_downsample": args.max_downsample, "batch_size": 1}
+                "prompt": args.prompt, "guidance_scale": args.guidance_scale, "max_downsample": args.max_downsample,
+                "batch_size": 1}
     notes = [text for text in (single_run_note(rows), noise_warning(rows)) if text]
     if any(row.get("merges_nothing") for row in rows):
         notes.insert(0, TWIN_LEGEND)
@@ -158,11 +194,16 @@ def run_demo(args: argparse.Namespace) -> Dict[str, Any]:
     save_json(data, path)  # (PSNR of vanilla is inf: written as the string "inf", keeping the file valid JSON)
     env = data["environment"]
     warning = "".join(text + "\n" for text in notes)
-    noise = "" if args.model else "The images are noise: a preset has random weights (use --model for real images).\n"
+    if shapes:
+        about = (f"The shapes model is small: at {size}x{size} px its finest attention holds {(size // 2) ** 2} tokens, "
+                 "where merging saves little time. It is here for the images; for speed, run a full-size preset "
+                 "(bash run.sh demo --preset sd15-narrow) or bench.\n")
+    else:
+        about = "" if args.model else "The images are noise: a preset has random weights (use --model for real images).\n"
     sys.stdout.write(
         f"ToMe demo: {prepared.source}, {size}x{size}, {args.steps} steps, {env['dtype']} on {env['device']} "
-        f"({prepared.threads} threads), {_runs(args.repeats)}\n{format_demo_table(rows)}\n{DEMO_LEGEND}\n"
-        f"{warning}{noise}wrote {png} and {path}\n"
+        f"({prepared.threads} threads), {_runs(args.repeats)}\nprompt: {args.prompt!r}\n"
+        f"{format_demo_table(rows)}\n{DEMO_LEGEND}\n{warning}{about}wrote {png} and {path}\n"
     )
     return data
 
@@ -225,6 +266,7 @@ def run_bench(args: argparse.Namespace) -> Dict[str, Any]:
     """``ppdiffusers-tome bench``: tables on stdout, ``results.json`` and plots in ``--output``."""
     device = select_device(args.device)  # a CPU-only build refuses --device gpu here, before anything is built
     dtype = args.dtype or ("float16" if device.name == "gpu" else "float32")
+    resolve_model(args)  # --model shapes
     settings = bench_settings(args)
     method_list(settings)  # (parses and validates --variants)
     prepared = prepare(args, dtype, settings.resolutions, max(settings.batch_sizes), "--resolutions", device)

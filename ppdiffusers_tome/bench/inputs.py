@@ -3,7 +3,7 @@ image for ControlNet pipelines) and fixed random inputs for one denoiser forward
 
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import numpy as np
 import paddle
@@ -17,9 +17,11 @@ def control_image(size: int, seed: int) -> Image.Image:
     return Image.fromarray(pixels).resize((size, size), Image.NEAREST)
 
 
-def pipeline_kwargs(pipe, size: int, batch: int, steps: int, seed: int, prompt: str) -> Dict[str, Any]:
-    """The keyword arguments of one pipeline call of ``batch`` images (numpy output, seeded generator)."""
-    kwargs = dict(
+def pipeline_kwargs(pipe, size: int, batch: int, steps: int, seed: int, prompt: str,
+                    guidance_scale: Optional[float] = None) -> Dict[str, Any]:
+    """The keyword arguments of one pipeline call of ``batch`` images (numpy output, seeded generator;
+    ``guidance_scale`` ``None``: the pipeline's default)."""
+    kwargs: Dict[str, Any] = dict(
         prompt=[prompt] * batch,
         num_inference_steps=steps,
         height=size,
@@ -27,6 +29,8 @@ def pipeline_kwargs(pipe, size: int, batch: int, steps: int, seed: int, prompt: 
         generator=paddle.Generator().manual_seed(seed),
         output_type="np",
     )
+    if guidance_scale is not None:
+        kwargs["guidance_scale"] = float(guidance_scale)
     if "controlnet" in pipe.components and pipe.components["controlnet"] is not None:
         controlnet = pipe.components["controlnet"]
         count = len(controlnet.nets) if hasattr(controlnet, "nets") else 1

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import ast
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import paddle
 
@@ -84,6 +84,7 @@ class BenchSettings:
     unet_only: bool = False
     seed: int = 0
     prompt: str = "a lighthouse on a cliff at sunset, detailed oil painting"
+    guidance_scale: Optional[float] = None  # None: the pipeline's default
     count_ops: bool = True  # ops/block: one extra denoiser forward per cell and method, profiled
 
 

@@ -110,7 +110,7 @@ class Runner:
 
         before = self._plan_counts()
         inputs = self._inputs(size, batch) if s.unet_only else None  # built outside the timed window
-        call = None if s.unet_only else pipeline_kwargs(pipe, size, batch, s.steps, s.seed, s.prompt)
+        call = None if s.unet_only else pipeline_kwargs(pipe, size, batch, s.steps, s.seed, s.prompt, s.guidance_scale)
         timer = ForwardTimer(pipe.unet, synchronize=device.synchronize)
         handle = pipe.unet.register_forward_post_hook(capture)
         try:
