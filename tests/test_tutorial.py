@@ -112,6 +112,20 @@ def test_notebook_controlnet_ratio_todo_and_demo_sections(executed):
     assert "speed-up" in printed and "PSNR dB" in printed and "每次计时" in printed
 
 
+def test_notebook_shapes_section_draws_captions_the_classifier_reads_back(executed):
+    from tests.test_shapes_shipped import BACKGROUND_THRESHOLD
+
+    ns, outputs, _ = executed
+    assert ns["vanilla_shapes"].shape == (4, 64, 64, 3) and ns["tome_shapes"].shape == (4, 64, 64, 3)
+    assert not np.array_equal(ns["vanilla_shapes"], ns["tome_shapes"])  # ToMe really ran
+    for scores in (ns["vanilla_scores"], ns["tome_scores"]):
+        assert scores["background"] >= BACKGROUND_THRESHOLD, scores  # 4 images: the head the model has learnt
+    sheet = [value for _, value in outputs if isinstance(value, Image.Image)][-1]
+    assert sheet.size == (512, 256)
+    printed = "".join(out for out, _ in outputs)
+    assert "ToMe 0.5：" in printed and ns["prompts"][0] in printed
+
+
 def test_readmes_point_to_the_notebook():
     with open(os.path.join(ROOT, "README_cn.md"), encoding="utf-8") as f:
         assert "docs/tutorial_cn.ipynb" in f.read()
