@@ -523,12 +523,21 @@ def tiny_dit_pipeline(scheduler: str = "DDIMScheduler", seed: int = 0):
 
 
 def load_local_pipeline(folder: str, dtype: str = "float32", scheduler: Optional[str] = None):
-    """Load a pipeline saved with ``save_pretrained`` (or downloaded beforehand) from a local ``folder``."""
+    """Load a pipeline saved with ``save_pretrained`` (or downloaded beforehand) from a local ``folder``, without
+    ppdiffusers' loading bar (its setting is restored afterwards)."""
     paddle, ppdiffusers, _ = _libs()
     if not os.path.isfile(os.path.join(folder, "model_index.json")):
         raise ValueError(f"--model must be a local pipeline folder with a model_index.json; got {folder!r}")
     kwargs: Dict[str, Any] = {"paddle_dtype": getattr(paddle, dtype)}
-    pipe = ppdiffusers.DiffusionPipeline.from_pretrained(folder, **kwargs)
+    from ppdiffusers.utils import logging as ppdiffusers_logging
+
+    shown = ppdiffusers_logging.is_progress_bar_enabled()
+    ppdiffusers_logging.disable_progress_bar()  # ("Loading pipeline components..." on stderr: noise for a CLI)
+    try:
+        pipe = ppdiffusers.DiffusionPipeline.from_pretrained(folder, **kwargs)
+    finally:
+        if shown:
+            ppdiffusers_logging.enable_progress_bar()
     if scheduler is not None:
         pipe.scheduler = make_scheduler(scheduler)
     pipe.set_progress_bar_config(disable=True)

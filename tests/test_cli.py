@@ -203,7 +203,8 @@ def test_missing_shipped_weights_are_a_clear_error(monkeypatch, capsys, tmp_path
 def test_default_demo_shows_the_prompt_and_no_noise_warning(tmp_path, capsys):
     assert main(["demo", "--steps", "2", "--ratios", "0.5", "--repeats", "1", "--threads", "1",
                  "--output", str(tmp_path)]) == 0
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
     from ppdiffusers_tome.shapes.shipped import DEMO_PROMPT
 
     assert "ToMe demo: shapes model (trained, shipped in the package), 64x64, 2 steps" in out

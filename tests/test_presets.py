@@ -181,3 +181,29 @@ def test_testing_only_re_exports_presets():
     assert not [node for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module == "testing"]
     top = {alias.name.split(".")[0] for node in tree.body if isinstance(node, ast.Import) for alias in node.names}
     assert not top & {"paddle", "ppdiffusers"}
+
+
+@pytest.mark.parametrize("enabled_before", [True, False])
+def test_loading_a_folder_hides_ppdiffusers_loading_bar_and_restores_its_setting(tmp_path, monkeypatch, enabled_before):
+    import ppdiffusers
+    from ppdiffusers.utils import logging as ppdiffusers_logging
+
+    from ppdiffusers_tome.presets import load_local_pipeline, preset_pipeline
+
+    folder = str(tmp_path / "tiny")
+    preset_pipeline("tiny").save_pretrained(folder)
+    seen = []
+    real = ppdiffusers.DiffusionPipeline.from_pretrained
+
+    def spy(*args, **kwargs):
+        seen.append(ppdiffusers_logging.is_progress_bar_enabled())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ppdiffusers.DiffusionPipeline, "from_pretrained", spy)
+    (ppdiffusers_logging.enable_progress_bar if enabled_before else ppdiffusers_logging.disable_progress_bar)()
+    try:
+        load_local_pipeline(folder)
+        assert seen == [False]  # no "Loading pipeline components..." bar during the load
+        assert ppdiffusers_logging.is_progress_bar_enabled() is enabled_before  # the user's setting is kept
+    finally:
+        ppdiffusers_logging.enable_progress_bar()
