@@ -1,20 +1,14 @@
 """benchmarks/local_plans.py --render: the Pareto column and the comparison with tomesd's plan in the same seeds,
 on a made-up result (the measurement itself is a benchmark, not a test)."""
 
-import importlib.util
-import os
-
 import pytest
 
-PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "local_plans.py")
+from tests.benchmark_scripts import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("local_plans", PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("local_plans")
 
 
 def config(speedup, rel, psnr, plans=5.0):

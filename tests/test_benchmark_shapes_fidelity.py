@@ -1,22 +1,17 @@
 """benchmarks/shapes_fidelity.py: a very short run on the shipped model writes a complete record whose numbers
 agree with an independent recomputation, and ``--render`` prints the same table from the JSON."""
 
-import importlib.util
 import json
-import os
 
 import numpy as np
 import pytest
 
-PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "shapes_fidelity.py")
+from tests.benchmark_scripts import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("shapes_fidelity", PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("shapes_fidelity")
 
 
 @pytest.fixture(scope="module")
