@@ -48,6 +48,8 @@ CONFIGS: Dict[str, Any] = {
     "local16+share": {"match_window": 16, "share_plan": "level"},
     "local32": {"match_window": 32},
     "local32+share": {"match_window": 32, "share_plan": "level"},
+    "local32f": {"match_window": 32, "match_order": "feature"},
+    "local32f+share": {"match_window": 32, "match_order": "feature", "share_plan": "level"},
     "todo": {"method": "todo"},
 }
 DEFAULT_CONFIGS = ["vanilla", "tome", "tome+share", "local16", "local16+share", "todo"]
@@ -149,15 +151,17 @@ def plan_peaks(tokens: int, channels: int) -> Dict[str, float]:
     side = int(round(tokens ** 0.5))
     x = paddle.to_tensor(np.random.default_rng(0).standard_normal((2, tokens, channels)).astype("float32"))
     core = paddle.base.core
-    def local(window):
+    def local(window, order="grid"):
         wy, wx = merge_module.window_sides(side, side, window)
         table = merge_module.window_partition_table(side, side, wy, wx, 2, 2, merge_module.step_key(500), 0, 1)
-        return lambda: merge_module.LocalMergePlan.from_matching(x, (side, side, wy, wx, 2, 2), table[0], (wy * wx) // 2)
+        return lambda: merge_module.LocalMergePlan.from_matching(x, (side, side, wy, wx, 2, 2), table[0], (wy * wx) // 2,
+                                                                 order=order)
 
     runs = {
         "global": lambda: merge_module.bipartite_soft_matching_random2d(x, side, side, 2, 2, tokens // 2, generator=0),
         "local16": local(16),
         "local32": local(32),
+        "local32f": local(32, "feature"),
         "todo": lambda: merge_module.DownsamplePlan(tokens, 2, side, side, 2),
     }
     peaks = {}
@@ -180,7 +184,8 @@ def plan_peaks(tokens: int, channels: int) -> Dict[str, float]:
 
 
 PEAK_OF = {"tome": "global", "tome+share": "global", "local16": "local16", "local16+share": "local16",
-           "local32": "local32", "local32+share": "local32", "todo": "todo"}
+           "local32": "local32", "local32+share": "local32", "local32f": "local32f", "local32f+share": "local32f",
+           "todo": "todo"}
 
 
 def main(argv=None) -> None:

@@ -226,6 +226,7 @@ def apply_tome(
     downsample_mode: str = "nearest",
     recompute_every: Union[int, Sequence[int]] = 1,
     match_window: Optional[int] = None,
+    match_order: str = "grid",
     share_plan: str = "block",
     min_tokens: int = 0,
     deterministic: bool = False,
@@ -244,7 +245,7 @@ def apply_tome(
     merges too; ``ratio=(0.6, 0.3)`` or a callable of the denoising progress schedules the ratio;
     ``recompute_every=k`` reuses each block's matching for ``k`` steps; ``method="todo"`` downsamples keys and
     values instead of merging tokens; ``match_window=16`` matches within windows and, on a GPU, merges with two
-    small matmuls; ``share_plan="level"`` plans once per level and call; ``min_tokens`` skips blocks too small to
+    small matmuls (``match_order="feature"`` cuts those windows along the features instead of the grid); ``share_plan="level"`` plans once per level and call; ``min_tokens`` skips blocks too small to
     pay for a plan; ``deterministic=True`` merges without float atomics on a GPU (bit-identical run to run).
 
     Example:

@@ -21,6 +21,7 @@ __all__ = [
     "METHODS",
     "MAX_STRIDE",
     "MAX_WINDOW",
+    "MATCH_ORDERS",
     "SHARE_PLAN",
     "RatioSpec",
     "ratio_at",
@@ -37,6 +38,7 @@ MAX_STRIDE = 64
 # global matching, with a dense [N - r, N] plan per image: beyond that a dense plan stops being small).
 MAX_WINDOW = 128
 SHARE_PLAN = ("block", "level")
+MATCH_ORDERS = ("grid", "feature")
 _SCHEDULE_PROBES = 11  # a ratio callable is checked at progress 0, 0.1, ..., 1 when the config is made
 
 RatioSpec = Union[float, Tuple[float, float], Callable[[float], float]]
@@ -170,6 +172,11 @@ class ToMeConfig:
             divisor of the grid side nearest to it, so equal windows tile the grid. On a GPU the plan is then held
             as two small matrices per window, and merge and unmerge are one batched matmul each (few kernel
             launches, a fixed summation order, memory that grows as ``N * window``).
+        match_order: how ``match_window``'s windows are cut: ``"grid"`` (the default: tiles of the token grid) or
+            ``"feature"``: the src and the dst are each sorted by their cosine with the mean token and cut into as
+            many windows of the same sizes, so that a window holds tokens that point the same way wherever they
+            are on the grid. Same matching work and memory; a sort and a few more operators per plan, and on a GPU
+            one ``gather_nd`` in place of a ``gather`` on each side. Needs ``match_window``.
         share_plan: ``"block"`` (the default: every block matches its own input, as in tomesd) or ``"level"``: the
             first merging block at each token count plans, and the others at that count reuse its plan in the
             same call (and, with ``recompute_every``, across steps).
@@ -205,6 +212,7 @@ class ToMeConfig:
     downsample_mode: str = "nearest"
     recompute_every: Union[int, Tuple[int, ...]] = 1
     match_window: Optional[int] = None
+    match_order: str = "grid"
     share_plan: str = "block"
     min_tokens: int = 0
     deterministic: bool = False
@@ -269,6 +277,15 @@ class ToMeConfig:
                     f"max(sx, sy)={smallest} so that a window holds a cell); got {_shown(window)}"
                 )
             store("match_window", int(window))
+        order = _as_choice(self.match_order, MATCH_ORDERS)
+        if order is None:
+            raise ValueError(f"match_order must be one of {MATCH_ORDERS}; got {_shown(self.match_order)}")
+        if order == "feature" and window is None:
+            raise ValueError(
+                "match_order='feature' cuts match_window's windows along the features; set match_window (an integer "
+                f"in [{max(2, smallest)}, {MAX_WINDOW}]) with it, or leave match_order='grid'"
+            )
+        store("match_order", order)
         share = _as_choice(self.share_plan, SHARE_PLAN)
         if share is None:
             raise ValueError(f"share_plan must be one of {SHARE_PLAN}; got {_shown(self.share_plan)}")

@@ -998,6 +998,10 @@ def _window_tensors(win: "_Windows") -> Dict[str, paddle.Tensor]:
         "order": _const(win.order), "flat_order": _const(win.order.reshape(-1)), "inverse": _const(win.inverse),
         "cell_key": _const(win.cell_key[None, :]), "cell_of": _const(win.cell_of), "slot_of": _const(win.slot_of[None, :]),
         "slots": _const(win.slots), "top_left": _const(win.top_left),
+        "identity": _const(np.tile(np.arange(win.size, dtype=np.int64), (win.count, 1))),
+        # the sort key's offset in feature order: every src (key in [-1, 1]) before every dst
+        "dst_shift": paddle.to_tensor(np.repeat(np.array([0.0, 4.0], np.float32),
+                                                [win.count * win.num_src, win.count * win.num_dst])[None, :]),
     }
 
 
@@ -1047,6 +1051,59 @@ def _match_windows(metric: paddle.Tensor, win: "_Windows", partition: paddle.Ten
     return _clear_non_finite(scores.max(axis=-1)), scores.argmax(axis=-1)
 
 
+def _feature_key(metric: paddle.Tensor, kind: str) -> paddle.Tensor:
+    """``[B, N]`` float32: the cosine of every token with the mean of its item's unit tokens, in [-1, 1] (0 for a
+    token that is zero or not finite). No token-sized buffer outlives it (on a CPU one ``square`` is transient)."""
+    if kind == "gpu":
+        rnorm = paddle.reciprocal(paddle.linalg.norm(metric, p=2, axis=-1, keepdim=True))  # [B, N, 1]
+    else:
+        ones = _constant(1.0, _dtype_name(metric.dtype), (metric.shape[-1], 1))
+        rnorm = paddle.rsqrt(paddle.matmul(paddle.square(metric), ones))
+    rnorm = _clear_non_finite(rnorm)  # zero, NaN and inf rows weigh nothing in the mean
+    # the mean unit token, divided by N so that no product leaves a half-precision range; its length does not
+    # change the order
+    mean = paddle.scale(paddle.matmul(rnorm, metric, transpose_x=True), 1.0 / metric.shape[1])  # [B, 1, C]
+    key = paddle.matmul(metric, mean, transpose_y=True) * rnorm  # [B, N, 1]
+    return _clear_non_finite(key.astype("float32")).reshape([-1, metric.shape[1]])
+
+
+def _match_feature_windows(metric: paddle.Tensor, win: "_Windows", partition: paddle.Tensor, kind: str
+                           ) -> Tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor]:
+    """Like :func:`_match_windows`, but the windows are cut along the tokens' features instead of the grid: the
+    src (and, separately, the dst) of the partition are sorted by :func:`_feature_key` and cut into ``W`` equal
+    runs, so window ``k`` holds the ``k``-th run of src and the ``k``-th run of dst: tokens that point the same
+    way, wherever they are on the grid. Same sizes, the same similarity product.
+
+    Returns the best similarity and dst of every src (``[B*W, Ns_w]`` each) and the window layout ``[B, W, T]``:
+    the grid position of each window's tokens, its src first, then its dst (so the window-local partition is the
+    identity)."""
+    work, channels, tokens = similarity_dtype(metric.dtype, kind), metric.shape[2], metric.shape[1]
+    if _dtype_name(metric.dtype) != work:
+        metric = metric.astype(work)
+    num_src = win.count * win.num_src
+    t = win.tensors()
+    pos = paddle.take_along_axis(t["order"], partition, axis=1, broadcast=False)  # [W, T] positions
+    src_pos, dst_pos = paddle.split(pos, [win.num_src, win.num_dst], axis=1)
+    ranked = paddle.concat([src_pos.reshape([-1]), dst_pos.reshape([-1])])  # [N]: every src, then every dst
+    key = paddle.gather(_feature_key(metric, kind), ranked, axis=1) + t["dst_shift"]
+    spare = 1 if kind == "gpu" and int(metric.shape[0]) == 1 else 0  # (a one-row GPU sort syncs)
+    order = paddle.argsort(F.pad(key, [0, spare, 0, 0]) if spare else key, axis=-1, stable=True)
+    order = order[:-1] if spare else order
+    layout = paddle.gather(ranked, order.reshape([-1])).reshape([-1, tokens])  # [B, N]: src by key, dst by key
+    rows = layout + _item_offsets(-1 if tracing() else int(metric.shape[0]), tokens, layout)  # [B, N] rows of the flattened [B*N, C] tokens
+    flat = metric.reshape([-1, channels])
+    src_rows, dst_rows = paddle.split(rows, [num_src, tokens - num_src], axis=1)
+    src = _normalize_rows(paddle.gather(flat, src_rows.reshape([-1])), kind, in_place=True)
+    dst = _normalize_rows(paddle.gather(flat, dst_rows.reshape([-1])), kind, in_place=True)
+    src, dst = src.reshape([-1, win.num_src, channels]), dst.reshape([-1, win.num_dst, channels])
+    scores = paddle.matmul(src, dst, transpose_y=True)  # [B*W, Ns_w, Nd_w]
+    del src, dst
+    src_layout, dst_layout = paddle.split(layout, [num_src, tokens - num_src], axis=1)
+    windows = paddle.concat([src_layout.reshape([-1, win.count, win.num_src]),
+                             dst_layout.reshape([-1, win.count, win.num_dst])], axis=2)  # [B, W, T]
+    return _clear_non_finite(scores.max(axis=-1)), scores.argmax(axis=-1), windows
+
+
 class LocalMergePlan(MergePlan):
     """A merge plan whose matching stays inside windows (build one with :meth:`from_matching`).
 
@@ -1065,19 +1122,26 @@ class LocalMergePlan(MergePlan):
     * ``"cpu"``: the same assignment as row tables, applied by :class:`MergePlan`'s ``index_add`` and gather (on a
       CPU a dense product over the window costs more than the scatter it replaces).
 
+    Windows in ``order="feature"`` are cut along the tokens' features instead of the grid (see
+    :func:`_match_feature_windows`): the same sizes and products, each window's tokens gathered per item (one
+    ``gather_nd`` on each side instead of one ``gather``).
+
     Non-finite tokens: with the dense form a NaN or inf token makes its whole window non-finite (``0 * inf``), not
-    just its group; attention would spread it further anyway.
+    just its group; attention would spread it further anyway. In feature order, tokens that are zero or not finite
+    sort as if orthogonal to the rest, and a non-finite one can make every key 0 (then the windows are the
+    partition's src and dst in position order).
     """
 
     def __init__(self, num_tokens: int, batch_size: int, r: int = 0, kind: str = "cpu"):
         super().__init__(num_tokens, batch_size, r, kind)
         self.windows: Optional[_Windows] = None
         self.window_r = 0
+        self.order = "grid"
 
     @classmethod
     def from_matching(  # type: ignore[override]
         cls, metric: paddle.Tensor, windows: Tuple[int, int, int, int, int, int], partition: paddle.Tensor,
-        window_r: int, kind: Optional[str] = None,
+        window_r: int, kind: Optional[str] = None, order: str = "grid",
     ) -> "LocalMergePlan":
         """Match within windows and plan the merge of ``window_r`` src per window.
 
@@ -1087,23 +1151,42 @@ class LocalMergePlan(MergePlan):
             partition: ``[W, T]`` window-local partition (one row of :func:`window_partition_table`).
             window_r: src merged per window, ``0 < window_r <= Ns_w``.
             kind: ``"cpu"`` or ``"gpu"`` kernels; default from ``metric``'s place.
+            order: ``"grid"`` (windows are tiles of the grid) or ``"feature"`` (the partition's src and dst sorted
+                by their direction and cut into as many windows of the same sizes; see
+                :func:`_match_feature_windows`).
+
+        Example:
+            >>> import paddle
+            >>> x = paddle.randn([2, 256, 8])
+            >>> table = window_partition_table(16, 16, 8, 8, 2, 2, step_key(5), seed=0, blocks=1)
+            >>> plan = LocalMergePlan.from_matching(x, (16, 16, 8, 8, 2, 2), table[0], 24, order="feature")
+            >>> plan.r, list(plan.unmerge(plan.merge(x)).shape)
+            (96, [2, 256, 8])
         """
+        if order not in ("grid", "feature"):
+            raise ValueError(f"order must be 'grid' or 'feature', got {order!r}")
         kind = kind or device_kind(metric)
         win = _windows(*(int(v) for v in windows))
         batch = int(metric.shape[0])
         plan = cls(int(metric.shape[1]), batch, win.count * int(window_r), kind)
-        plan.windows, plan.window_r, plan.num_src = win, int(window_r), win.count * win.num_src
+        plan.windows, plan.window_r, plan.num_src, plan.order = win, int(window_r), win.count * win.num_src, order
         with paddle.no_grad():
-            best, best_dst = _match_windows(metric.detach(), win, partition, kind)
+            if order == "feature":
+                best, best_dst, layout = _match_feature_windows(metric.detach(), win, partition, kind)
+                partition = win.tensors()["identity"]  # each window's tokens are laid out src first, then dst
+            else:
+                (best, best_dst), layout = _match_windows(metric.detach(), win, partition, kind), None
             spare = 1 if kind == "gpu" and batch == 1 and win.count == 1 else 0  # (a one-row GPU sort syncs)
-            order = paddle.argsort(F.pad(best, [0, spare, 0, 0]), axis=-1, descending=True, stable=True)
-            order = order[:-1] if spare else order
-            plan._build_local(order, best_dst, partition, batch)
+            ranked = paddle.argsort(F.pad(best, [0, spare, 0, 0]), axis=-1, descending=True, stable=True)
+            ranked = ranked[:-1] if spare else ranked
+            plan._build_local(ranked, best_dst, partition, batch, layout)
         return plan
 
-    def _build_local(self, order: paddle.Tensor, best_dst: paddle.Tensor, partition: paddle.Tensor, batch: int) -> None:
+    def _build_local(self, order: paddle.Tensor, best_dst: paddle.Tensor, partition: paddle.Tensor, batch: int,
+                     layout: Optional[paddle.Tensor] = None) -> None:
         """The merged row (within its window) of every token: kept src first, then the dst, each merged src on
-        its dst's row; then either the two matrices (GPU) or the row tables (CPU)."""
+        its dst's row; then either the two matrices (GPU) or the row tables (CPU). ``layout`` (feature order
+        only): ``[B, W, T]`` grid positions of each window's tokens."""
         win, r_w = self.windows, self.window_r
         kept, m_w = win.num_src - r_w, win.size - r_w
         b = _local_tables(-1 if tracing() else batch, win, m_w, order)
@@ -1119,16 +1202,36 @@ class LocalMergePlan(MergePlan):
             onehot = F.one_hot(row_of, m_w)  # [B*W, T, Mw] float32 of exact 0/1
             counts = paddle.sum(onehot, axis=1, keepdim=True)  # [B*W, 1, Mw]: group sizes, exact integers
             self.tables = {"unmerge_matrix": onehot, "merge_matrix": (onehot / counts).transpose([0, 2, 1])}
+            if layout is not None:
+                self.tables.update(self._feature_gathers(layout, b))
         else:
             flat = (row_of + b["offsets"]).reshape([-1, win.count * win.size])  # [B, W*T], window-major tokens
-            unmerge_rows = paddle.gather(flat, win.tensors()["inverse"], axis=1).reshape([-1])  # grid order
+            if layout is None:
+                unmerge_rows = paddle.gather(flat, win.tensors()["inverse"], axis=1).reshape([-1])  # grid order
+            else:  # every position of an item appears once in its layout: no conflicts
+                positions = layout.reshape([-1, self.num_tokens])
+                unmerge_rows = paddle.put_along_axis(b["zeros"].reshape([-1, self.num_tokens]), positions, flat,
+                                                     axis=1).reshape([-1])
             counts = paddle.index_add(b["zeros_m"], unmerge_rows, 0, b["ones_n"])
             row_scale = paddle.gather(paddle.reciprocal(counts), unmerge_rows)
             self.tables = {"unmerge_rows": unmerge_rows, "counts": counts, "row_scale": row_scale}
 
+    def _feature_gathers(self, layout: paddle.Tensor, b: Dict[str, Any]) -> Dict[str, paddle.Tensor]:
+        """The two ``gather_nd`` indices of a dense plan in feature order: ``window_index`` ``[B*W, T, 2]`` (the
+        ``(item, position)`` of each window's tokens) and ``grid_index`` ``[B, N, 2]`` (the ``(window row, slot)``
+        of each item's tokens in grid order)."""
+        win, n = self.windows, self.num_tokens
+        items = b["items"]  # [B, W, T]: the item of every window slot
+        window_index = paddle.stack([items, layout], axis=-1).reshape([-1, win.size, 2])
+        slots = paddle.put_along_axis(b["zeros"].reshape([-1, n]), layout.reshape([-1, n]), b["slots"], axis=1)
+        window_rows = items.reshape([-1, n]) * win.count + paddle.floor_divide(slots, b["size"])
+        grid_index = paddle.stack([window_rows, paddle.remainder(slots, b["size"])], axis=-1)  # [B, N, 2]
+        return {"window_index": window_index, "grid_index": grid_index}
+
     def __repr__(self) -> str:
         win = self.windows
         shape = f", windows={win.count}x{win.wy}x{win.wx}" if win is not None else ""
+        shape += ", order='feature'" if self.order == "feature" else ""
         return f"LocalMergePlan(batch_size={self.batch_size}, num_tokens={self.num_tokens}, r={self.r}{shape}, kind={self.kind!r})"
 
     def _matrix(self, name: str, dtype: str) -> paddle.Tensor:
@@ -1146,7 +1249,10 @@ class LocalMergePlan(MergePlan):
             raise ValueError(f"a dense local plan only averages (mode='mean'); got {mode!r}")
         self._check(x, self.num_tokens, "merge")
         win, channels = self.windows, x.shape[-1]
-        tokens = paddle.gather(x, win.tensors()["flat_order"], axis=1).reshape([-1, win.size, channels])
+        if "window_index" in self.tables:
+            tokens = paddle.gather_nd(x, self.tables["window_index"])  # [B*W, T, C]
+        else:
+            tokens = paddle.gather(x, win.tensors()["flat_order"], axis=1).reshape([-1, win.size, channels])
         out = paddle.matmul(self._matrix("merge_matrix", _dtype_name(x.dtype)), tokens)  # [B*W, Mw, C]
         return out.reshape([-1, self.merged_tokens, channels])
 
@@ -1157,7 +1263,21 @@ class LocalMergePlan(MergePlan):
         win, channels = self.windows, y.shape[-1]
         rows = y.reshape([-1, win.size - self.window_r, channels])
         out = paddle.matmul(self._matrix("unmerge_matrix", _dtype_name(y.dtype)), rows)  # [B*W, T, C]
+        if "grid_index" in self.tables:
+            return paddle.gather_nd(out, self.tables["grid_index"])  # [B, N, C]
         return paddle.gather(out.reshape([-1, self.num_tokens, channels]), win.tensors()["inverse"], axis=1)
+
+
+def _item_offsets(batch: int, tokens: int, like: paddle.Tensor) -> paddle.Tensor:
+    """``[B, 1]`` int64: the first row of every item of a flattened ``[B*N, ...]`` tensor (cached per batch size in
+    eager mode; from the runtime shape of ``like``, ``[B, ...]``, while tracing a dynamic batch)."""
+    if batch < 0:
+        return (paddle.arange(paddle.shape(like)[0], dtype="int64") * tokens).unsqueeze(-1)
+    return _CACHE.get(("item_offsets", batch, tokens), _build_item_offsets, batch, tokens)
+
+
+def _build_item_offsets(batch: int, tokens: int) -> paddle.Tensor:
+    return (paddle.arange(batch, dtype="int64") * tokens).unsqueeze(-1)
 
 
 def _local_tables(batch: int, win: "_Windows", m_w: int, like: paddle.Tensor) -> Dict[str, Any]:
@@ -1177,6 +1297,10 @@ def _build_local_tables(batch: Any, count: int, size: int, m_w: int) -> Dict[str
         "offsets": (paddle.arange(rows, dtype="int64") * m_w).unsqueeze(-1),  # first row of every window
         "zeros_m": paddle.zeros([rows * m_w, 1], dtype="float32"),
         "ones_n": paddle.ones([rows * size, 1], dtype="float32"),
+        # feature order: the item of every window slot, and the slots of an item's window layout
+        "items": paddle.tile(paddle.arange(batch, dtype="int64").reshape([-1, 1, 1]), [1, count, size]),
+        "slots": paddle.tile(paddle.arange(count * size, dtype="int64").unsqueeze(0), [batch, 1]),
+        "size": paddle.full([], size, dtype="int64"),
     }
 
 

@@ -446,7 +446,7 @@ class ModelPatch:
             return None
         partition = self.state.window_partition_for(block_index, grid_h, grid_w, wy, wx)
         windows = (grid_h, grid_w, wy, wx, config.sx, config.sy)
-        return LocalMergePlan.from_matching(hidden, windows, partition, window_r)
+        return LocalMergePlan.from_matching(hidden, windows, partition, window_r, order=config.match_order)
 
     def make_plan(self, block_index: int, hidden: Any, grid_h: int, grid_w: int, r: int) -> MergePlan:
         """Match the block input ``hidden`` on its ``grid_h x grid_w`` grid and plan the merge of ``r`` tokens."""

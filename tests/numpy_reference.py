@@ -167,3 +167,52 @@ def reference_local(metric: np.ndarray, x: np.ndarray, h: int, w: int, wy: int, 
                 round_trip[b, src[i]] = means[best_dst[i]]
         merged.append(np.stack(rows))
     return np.stack(merged), round_trip, min(margins)
+
+
+def reference_local_feature(metric: np.ndarray, x: np.ndarray, h: int, w: int, wy: int, wx: int, partition: np.ndarray,
+                            num_src: int, r_w: int):
+    """Local matching in feature order, float64 and plain loops: the src of all windows of ``partition`` (and,
+    separately, the dst) are sorted by their cosine with the item's mean unit token (stable: ties keep window
+    order) and cut into as many runs as there are windows; run ``k`` of the src is matched with run ``k`` of the
+    dst as :func:`reference_local` matches a window. Returns ``(round_trip, margin)``; the margin also covers the
+    keys next to a cut between runs."""
+    metric, x = metric.astype(np.float64), x.astype(np.float64)
+    windows = reference_windows(h, w, wy, wx)
+    count = len(windows)
+    src_all = [windows[k][i] for k in range(count) for i in partition[k][:num_src]]
+    dst_all = [windows[k][i] for k in range(count) for i in partition[k][num_src:]]
+    ns_w, nd_w = num_src, len(partition[0]) - num_src
+    round_trip, margins = np.zeros_like(x), [math.inf]
+    for b in range(x.shape[0]):
+        unit = metric[b] / np.maximum(np.linalg.norm(metric[b], axis=-1, keepdims=True), 1e-300)
+        key = unit @ unit.mean(axis=0)
+        runs = []
+        for tokens, size in ((src_all, ns_w), (dst_all, nd_w)):
+            keys = key[tokens]
+            order = np.argsort(keys, kind="stable")
+            ranked = [tokens[i] for i in order]
+            sorted_keys = keys[order]
+            for cut in range(size, len(tokens), size):
+                margins.append(float(sorted_keys[cut] - sorted_keys[cut - 1]))
+            runs.append([ranked[k * size:(k + 1) * size] for k in range(count)])
+        for src, dst in zip(*runs):
+            scores = unit[src] @ unit[dst].T
+            best_dst, best = scores.argmax(axis=-1), scores.max(axis=-1)
+            ranked = np.argsort(-best, kind="stable")
+            top = np.sort(scores, axis=-1)
+            if top.shape[1] > 1:
+                margins.append(float((top[:, -1] - top[:, -2]).min()))
+            if 0 < r_w < len(best):
+                margins.append(float(-np.diff(np.sort(best)[::-1])[r_w - 1]))
+            sums, sizes = x[b, dst].copy(), np.ones(len(dst))
+            for i in ranked[:r_w]:
+                sums[best_dst[i]] += x[b, src[i]]
+                sizes[best_dst[i]] += 1
+            means = sums / sizes[:, None]
+            for i in ranked[r_w:]:
+                round_trip[b, src[i]] = x[b, src[i]]
+            for j, pos in enumerate(dst):
+                round_trip[b, pos] = means[j]
+            for i in ranked[:r_w]:
+                round_trip[b, src[i]] = means[best_dst[i]]
+    return round_trip, min(margins)

@@ -30,6 +30,7 @@ READMES = ("README.md", "README_cn.md")
 MARKER = "<!-- arguments-table -->"
 FIELDS = {field.name: field.default for field in dataclasses.fields(ToMeConfig)}
 STRIDES = [(2, 2), (4, 2), (1, 1), (8, 8)]  # where the allowed ranges that depend on sx, sy are probed
+NEEDS = {"match_order": {"match_window": 16}}  # the other options a field's values are only valid with
 
 
 def code_spans(cell: str) -> List[str]:
@@ -68,6 +69,8 @@ def table_of(readme: str) -> Dict[str, Tuple[object, List[str]]]:
 
 
 def accepts(**kwargs) -> bool:
+    for name in list(kwargs):
+        kwargs = {**NEEDS.get(name, {}), **kwargs}
     try:
         ToMeConfig(**kwargs)
     except ValueError:
@@ -132,7 +135,7 @@ def check_form(name: str, span: str) -> List[object]:
         assert not accepts(recompute_every=empty) and not accepts(recompute_every=negative)
         return []
     value = ast.literal_eval(span)  # a single allowed value
-    assert getattr(ToMeConfig(**{name: value}), name) == value, (name, span)
+    assert getattr(ToMeConfig(**{name: value}, **NEEDS.get(name, {})), name) == value, (name, span)
     return [value]
 
 

@@ -52,7 +52,9 @@ def transfers_of(run):
 
 
 @pytest.mark.parametrize("kind", ["gpu", "cpu"])  # both branches' kernels (merge.py's docstring cites the GPU one)
-@pytest.mark.parametrize("options", [{}, dict(match_window=8, share_plan="level")], ids=["defaults", "local-shared"])
+@pytest.mark.parametrize("options", [{}, dict(match_window=8, share_plan="level"),
+                                     dict(match_window=8, match_order="feature", share_plan="level")],
+                         ids=["defaults", "local-shared", "feature-shared"])
 @pytest.mark.parametrize("timestep_kind", ["0-d", "[B]"])
 @pytest.mark.parametrize("batch", [1, 2])
 def test_patched_forward_adds_no_host_device_transfer(batch, timestep_kind, options, kind, monkeypatch):
@@ -75,8 +77,9 @@ def test_patched_forward_adds_no_host_device_transfer(batch, timestep_kind, opti
     )
 
 
-@pytest.mark.parametrize("kind, options", [("gpu", {}), ("cpu", {}), ("gpu", dict(match_window=16, share_plan="level"))],
-                         ids=["gpu", "cpu", "gpu-local-shared"])
+@pytest.mark.parametrize("kind, options", [("gpu", {}), ("cpu", {}), ("gpu", dict(match_window=16, share_plan="level")),
+                                           ("gpu", dict(match_window=16, match_order="feature", share_plan="level"))],
+                         ids=["gpu", "cpu", "gpu-local-shared", "gpu-feature-shared"])
 def test_ops_added_per_merging_block_within_budget(kind, options, monkeypatch):
     monkeypatch.setattr(merge_module, "DEVICE_OVERRIDE", kind)
     unet = tiny_unet()

@@ -724,7 +724,8 @@ def test_ratio_zero_never_warns_about_merging_nothing():
 
 
 # issue #17: local matching, plans shared per level, min_tokens -------------------------------------------------------
-def test_match_window_blocks_merge_with_the_local_plan_written_by_hand():
+@pytest.mark.parametrize("order", ["grid", "feature"])
+def test_match_window_blocks_merge_with_the_local_plan_written_by_hand(order):
     from ppdiffusers_tome.merge import LocalMergePlan, window_partition_table, window_sides
 
     unet = tiny_unet()
@@ -734,10 +735,10 @@ def test_match_window_blocks_merge_with_the_local_plan_written_by_hand():
     context = paddle.to_tensor(rng.standard_normal((2, 5, 32)).astype("float32"))
     wy, wx = window_sides(16, 16, 8)
     partition = window_partition_table(16, 16, wy, wx, 2, 2, None, seed=0, blocks=1)[0]
-    plan = LocalMergePlan.from_matching(x, (16, 16, wy, wx, 2, 2), partition, 32)  # int(64 * 0.5)
+    plan = LocalMergePlan.from_matching(x, (16, 16, wy, wx, 2, 2), partition, 32, order=order)  # int(64 * 0.5)
     with paddle.no_grad():
         expected = expected_block_output(block, x, context, plan).numpy()
-        patch = ModelPatch.install(unet, ToMeConfig(use_rand=False, match_window=8))
+        patch = ModelPatch.install(unet, ToMeConfig(use_rand=False, match_window=8, match_order=order))
         patch.state.begin_call(paddle.zeros([2, 4, 16, 16]), None)
         got = block(x, encoder_hidden_states=context).numpy()
         used = patch.plan_in_flight(0)
@@ -752,13 +753,13 @@ def sd15_layout_unet():
     return preset_pipeline("sd15-narrow").unet  # SD-1.5's layout: five transformer blocks at 1x
 
 
-@pytest.mark.parametrize("window", [None, 8])
-def test_share_plan_level_plans_once_per_level_and_call(window):
+@pytest.mark.parametrize("window, order", [(None, "grid"), (8, "grid"), (8, "feature")])
+def test_share_plan_level_plans_once_per_level_and_call(window, order):
     unet = sd15_layout_unet()
     inputs = unet_inputs(unet, batch=2, hw=(16, 16))
     plans = {}
     for share in ("block", "level"):
-        ppdiffusers_tome.apply_tome(unet, share_plan=share, match_window=window)
+        ppdiffusers_tome.apply_tome(unet, share_plan=share, match_window=window, match_order=order)
         patch, seen = get_patch(unet), []
         handles = [b.attn1.register_forward_pre_hook(lambda layer, args, i=i: seen.append(patch.plan_in_flight(i)))
                    for i, (_, b) in enumerate(find_blocks(unet))]

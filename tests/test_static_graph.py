@@ -65,8 +65,9 @@ DYNAMIC_SPEC = [InputSpec([None, 4, 16, 16], "float32"), InputSpec([None], "int6
 
 @pytest.mark.parametrize(
     "options",
-    [dict(), dict(method="todo"), dict(use_rand=False), dict(match_window=8, share_plan="level")],
-    ids=["defaults", "todo", "no-rand", "local-shared"],
+    [dict(), dict(method="todo"), dict(use_rand=False), dict(match_window=8, share_plan="level"),
+     dict(match_window=8, match_order="feature", share_plan="level")],
+    ids=["defaults", "todo", "no-rand", "local-shared", "feature-shared"],
 )
 def test_export_with_a_dynamic_batch_follows_the_timestep_inside_the_program(tmp_path, options):
     """The defaults (random partition keyed by the timestep tensor) export with a dynamic batch; the loaded program
@@ -116,11 +117,12 @@ def convert(unet, mode):
     return lambda *inputs: static(*inputs).numpy()
 
 
-PROMISED = [dict(), dict(use_rand=False), dict(method="todo"), dict(match_window=8, share_plan="level")]
+PROMISED = [dict(), dict(use_rand=False), dict(method="todo"), dict(match_window=8, share_plan="level"),
+            dict(match_window=8, match_order="feature", share_plan="level")]
 
 
 @pytest.mark.parametrize("mode", ["sot", "full_graph"])
-@pytest.mark.parametrize("options", PROMISED, ids=["defaults", "no-rand", "todo", "local-shared"])
+@pytest.mark.parametrize("options", PROMISED, ids=["defaults", "no-rand", "todo", "local-shared", "feature-shared"])
 def test_every_promised_option_converts_cold_and_warm_in_both_modes_and_equals_eager(options, mode):
     """Issue #18 item 2: in SOT mode the defaults failed cold (a tensor cache written during the simulation) and
     warm (a comprehension's closure cell in the salts), use_rand=False cold, ToDo (a property), local matching
