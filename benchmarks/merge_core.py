@@ -10,7 +10,8 @@ writes JSON. Not a test: timings on shared machines are noisy, so read the ratio
 ``--baseline REV`` adds the merge core of an earlier git revision (its standalone ``merge.py``) as a third
 contender, interleaved with the other two, for before/after numbers from one run. ``--match-window W`` adds local
 matching (``apply_tome(match_window=W)``: each src matched within its ``W x W`` window, the same r) as another
-contender, and ``--kind gpu`` runs our kernels' GPU branch on the CPU (what a GPU would execute: the dense local
+contender (``--match-order feature`` cuts its windows along the features, ``apply_tome(match_order="feature")``),
+and ``--kind gpu`` runs our kernels' GPU branch on the CPU (what a GPU would execute: the dense local
 plan, the token-dtype similarity) — ratios against the built-in port then compare different algorithms, so read
 the per-part rows: plan (built once per level with ``share_plan="level"``) and merge + unmerge (every block).
 """
@@ -62,7 +63,7 @@ def baseline_port(revision):
     return module.bipartite_soft_matching_random2d
 
 
-def local_contender(side, window, r, kind):
+def local_contender(side, window, r, kind, order="grid"):
     """Plan function of local matching on a ``side x side`` grid with windows of about ``window`` tokens per side,
     merging ``r`` tokens in all (the same share in every window), as ``apply_tome(match_window=window)`` does."""
     wy, wx = window_sides(side, side, window)
@@ -70,7 +71,7 @@ def local_contender(side, window, r, kind):
     window_r = r // count
     partition = window_partition_table(side, side, wy, wx, 2, 2, step_key(999), seed=1, blocks=1)[0]
     windows = (side, side, wy, wx, 2, 2)
-    return lambda t: LocalMergePlan.from_matching(t, windows, partition, window_r, kind)  # noqa: E731
+    return lambda t: LocalMergePlan.from_matching(t, windows, partition, window_r, kind, order=order)  # noqa: E731
 
 
 def time_once(fn_plan, x):
@@ -114,6 +115,8 @@ def main(argv=None):
     parser.add_argument("--baseline", default=None, metavar="REV", help="also time merge.py of this git revision")
     parser.add_argument("--match-window", type=int, default=None, metavar="W",
                         help="also time local matching in windows of about W tokens per side (default: off)")
+    parser.add_argument("--match-order", choices=("grid", "feature"), default="grid",
+                        help="how --match-window's windows are cut (default: grid)")
     parser.add_argument("--kind", choices=("auto", "cpu", "gpu"), default="auto",
                         help="our kernels: from the place (auto, the default), or a forced branch")
     args = parser.parse_args(argv)
@@ -135,7 +138,7 @@ def main(argv=None):
         if baseline is not None:
             contenders["baseline"] = lambda t: baseline(t, side, side, 2, 2, r, generator=rng)  # noqa: E731
         if args.match_window:
-            contenders["local"] = local_contender(side, args.match_window, r, kind)
+            contenders["local"] = local_contender(side, args.match_window, r, kind, args.match_order)
         runs = interleaved(contenders, x, args.repeats)
         merged = {name: {part: median([run[part] for run in r]) for part in r[0]} for name, r in runs.items()}
         rows.append(
@@ -153,7 +156,7 @@ def main(argv=None):
             rows[-1]["baseline_ms"] = {k: v * 1e3 for k, v in merged["baseline"].items()}
             rows[-1]["vs_baseline_paired"] = paired_ratio(runs, "baseline", "ours")
         if args.match_window:
-            rows[-1]["match_window"] = args.match_window
+            rows[-1]["match_window"], rows[-1]["match_order"] = args.match_window, args.match_order
             rows[-1]["local_ms"] = {k: v * 1e3 for k, v in merged["local"].items()}
             rows[-1]["local_vs_ours_paired"] = paired_ratio(runs, "ours", "local")
     extra = f" | {'baseline ms':>11} | {'vs baseline':>11}" if baseline is not None else ""

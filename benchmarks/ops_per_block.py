@@ -35,6 +35,9 @@ CONFIGS = [
     ("deterministic=True, share_plan='level'", dict(deterministic=True, share_plan="level")),
     ("match_window=16", dict(match_window=16)),
     ("match_window=16, share_plan='level'", dict(match_window=16, share_plan="level")),
+    ("match_window=16, match_order='feature'", dict(match_window=16, match_order="feature")),
+    ("match_window=16, match_order='feature', share_plan='level'",
+     dict(match_window=16, match_order="feature", share_plan="level")),
     ("method='todo'", dict(method="todo")),
 ]
 
