@@ -8,7 +8,8 @@ each seed so that drift of a shared machine hits all of them alike. Printed per 
 * distance from vanilla: rel L2 of the UNet output, and PSNR of the decoded one-step prediction of the clean
   image (``x0`` from the predicted noise, through the preset's VAE), mean and standard deviation over seeds;
 * plans per call (``tome_stats``), eager ops per merging block and per call with the GPU branch forced (what a GPU
-  would launch; counted on the same layout at a small latent, since the count does not depend on the size), and
+  would launch; counted on the same layout at a small latent, since the count does not depend on the size, except
+  for feature order, counted at the cell's size), and
   the peak temporaries of one plan + merge + unmerge at the resolution's finest-level shape (GPU branch forced,
   Paddle's host memory statistics).
 
@@ -48,6 +49,8 @@ CONFIGS: Dict[str, Any] = {
     "local16+share": {"match_window": 16, "share_plan": "level"},
     "local32": {"match_window": 32},
     "local32+share": {"match_window": 32, "share_plan": "level"},
+    "local16f": {"match_window": 16, "match_order": "feature"},
+    "local16f+share": {"match_window": 16, "match_order": "feature", "share_plan": "level"},
     "local32f": {"match_window": 32, "match_order": "feature"},
     "local32f+share": {"match_window": 32, "match_order": "feature", "share_plan": "level"},
     "todo": {"method": "todo"},
@@ -118,12 +121,13 @@ def measure_cell(pipe, resolution: int, vae_scale: int, seeds: int, configs: Dic
     return cell
 
 
-def count_gpu_ops(pipe, vae_scale: int, configs: Dict[str, Any]) -> Dict[str, Dict[str, float]]:
-    """Eager ops added by each configuration, GPU branch forced, at a 32 x 32 latent (the count does not depend on
-    the size): per merging block and per call."""
+def count_gpu_ops(pipe, vae_scale: int, configs: Dict[str, Any], latent: int = 32) -> Dict[str, Dict[str, float]]:
+    """Eager ops added by each configuration, GPU branch forced, at a ``latent x latent`` latent: per merging block
+    and per call. The count does not depend on the size, except for ``match_order="feature"``, whose plan sorts by
+    a second key only when there is more than one window: :func:`main` counts those at each cell's own size."""
     merge_module.DEVICE_OVERRIDE = "gpu"
     try:
-        sample, timestep, context = unet_inputs(pipe.unet, 32 * vae_scale, vae_scale, 0)
+        sample, timestep, context = unet_inputs(pipe.unet, latent * vae_scale, vae_scale, 0)
 
         def run():
             with paddle.no_grad():
@@ -146,6 +150,15 @@ def count_gpu_ops(pipe, vae_scale: int, configs: Dict[str, Any]) -> Dict[str, Di
         merge_module.DEVICE_OVERRIDE = None
 
 
+def feature_ops_at(pipe, vae_scale: int, configs: Dict[str, Any], resolution: int,
+                   small_ops: Dict[str, Dict[str, float]]) -> Dict[str, Dict[str, float]]:
+    """``small_ops`` with the configurations in feature order counted again at ``resolution``."""
+    feature = {n: o for n, o in configs.items() if o is not None and o.get("match_order") == "feature"}
+    if not feature:
+        return small_ops
+    return {**small_ops, **count_gpu_ops(pipe, vae_scale, feature, latent=resolution // vae_scale)}
+
+
 def plan_peaks(tokens: int, channels: int) -> Dict[str, float]:
     """Peak temporaries (MiB) of one plan + merge + unmerge at ``[2, tokens, channels]``, GPU branch forced."""
     side = int(round(tokens ** 0.5))
@@ -161,6 +174,7 @@ def plan_peaks(tokens: int, channels: int) -> Dict[str, float]:
         "global": lambda: merge_module.bipartite_soft_matching_random2d(x, side, side, 2, 2, tokens // 2, generator=0),
         "local16": local(16),
         "local32": local(32),
+        "local16f": local(16, "feature"),
         "local32f": local(32, "feature"),
         "todo": lambda: merge_module.DownsamplePlan(tokens, 2, side, side, 2),
     }
@@ -184,7 +198,8 @@ def plan_peaks(tokens: int, channels: int) -> Dict[str, float]:
 
 
 PEAK_OF = {"tome": "global", "tome+share": "global", "local16": "local16", "local16+share": "local16",
-           "local32": "local32", "local32+share": "local32", "local32f": "local32f", "local32f+share": "local32f",
+           "local32": "local32", "local32+share": "local32", "local16f": "local16f", "local16f+share": "local16f",
+           "local32f": "local32f", "local32f+share": "local32f",
            "todo": "todo"}
 
 
@@ -213,10 +228,11 @@ def main(argv=None) -> None:
     for preset in args.presets:
         pipe = preset_pipeline(preset)
         vae_scale = 2 ** (len(pipe.vae.config.block_out_channels) - 1)
-        ops = count_gpu_ops(pipe, vae_scale, configs)
+        small_ops = count_gpu_ops(pipe, vae_scale, configs)
         for resolution in args.resolutions:
             print(f"{preset} at {resolution}px:", flush=True)
             cell = measure_cell(pipe, resolution, vae_scale, args.seeds, configs)
+            ops = feature_ops_at(pipe, vae_scale, configs, resolution, small_ops)
             tokens = (resolution // vae_scale) ** 2
             peaks = plan_peaks(tokens, pipe.unet.config.block_out_channels[0])
             rows = [["config", "speed-up (range)", "rel L2", "PSNR dB", "plans/call", "ops/block", "ops/call",

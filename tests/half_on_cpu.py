@@ -21,7 +21,7 @@ _FUNCTIONS = [
     (paddle, "gather"), (paddle, "isfinite"), (paddle.linalg, "norm"), (paddle.nn.functional, "pad"),
     (paddle, "reciprocal"), (paddle, "scale"), (paddle, "gather_nd"),
 ]
-_METHODS = ["__truediv__", "multiply_", "divide_", "max", "argmax", "__mul__"]
+_METHODS = ["__truediv__", "multiply_", "divide_", "max", "argmax", "__mul__", "__sub__"]
 _IN_PLACE = {"where_": 1, "multiply_": 0, "divide_": 0}  # which argument an in-place op updates
 
 

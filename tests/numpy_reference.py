@@ -173,9 +173,11 @@ def reference_local_feature(metric: np.ndarray, x: np.ndarray, h: int, w: int, w
                             num_src: int, r_w: int):
     """Local matching in feature order, float64 and plain loops: the src of all windows of ``partition`` (and,
     separately, the dst) are sorted by their cosine with the item's mean unit token (stable: ties keep window
-    order) and cut into as many runs as there are windows; run ``k`` of the src is matched with run ``k`` of the
-    dst as :func:`reference_local` matches a window. Returns ``(round_trip, margin)``; the margin also covers the
-    keys next to a cut between runs."""
+    order) and cut into ``S`` slabs (the largest divisor of the window count not above its square root); each
+    slab is sorted by the projection on the top principal axis of the unit tokens orthogonal to the mean (three
+    power iterations from the same seeded start as the package) and cut into runs; run ``k`` of the src is matched
+    with run ``k`` of the dst as :func:`reference_local` matches a window. Returns ``(round_trip, margin)``; the
+    margin also covers the keys next to every cut."""
     metric, x = metric.astype(np.float64), x.astype(np.float64)
     windows = reference_windows(h, w, wy, wx)
     count = len(windows)
@@ -185,16 +187,38 @@ def reference_local_feature(metric: np.ndarray, x: np.ndarray, h: int, w: int, w
     round_trip, margins = np.zeros_like(x), [math.inf]
     for b in range(x.shape[0]):
         unit = metric[b] / np.maximum(np.linalg.norm(metric[b], axis=-1, keepdims=True), 1e-300)
-        key = unit @ unit.mean(axis=0)
+        mean = unit.mean(axis=0)
+        key = unit @ mean
+        slabs = max(d for d in range(1, math.isqrt(count) + 1) if count % d == 0)
+        key2 = np.zeros(len(unit))
+        if slabs > 1:
+            along = mean / np.linalg.norm(mean)
+            axis = np.random.default_rng(metric.shape[-1]).standard_normal(metric.shape[-1]).astype(np.float32)
+            axis = axis.astype(np.float64)
+            for _ in range(3):
+                axis = axis - (axis @ along) * along
+                axis = axis / np.linalg.norm(axis)
+                axis = unit.T @ (unit @ axis) / len(unit)
+            axis = axis - (axis @ along) * along
+            key2 = unit @ (axis / np.linalg.norm(axis))
         runs = []
         for tokens, size in ((src_all, ns_w), (dst_all, nd_w)):
             keys = key[tokens]
             order = np.argsort(keys, kind="stable")
             ranked = [tokens[i] for i in order]
             sorted_keys = keys[order]
-            for cut in range(size, len(tokens), size):
+            per_slab = len(tokens) // slabs
+            for cut in range(per_slab, len(tokens), per_slab):
                 margins.append(float(sorted_keys[cut] - sorted_keys[cut - 1]))
-            runs.append([ranked[k * size:(k + 1) * size] for k in range(count)])
+            ordered = []
+            for s in range(slabs):
+                slab = ranked[s * per_slab:(s + 1) * per_slab]
+                inner = np.argsort(key2[slab], kind="stable")
+                slab_keys = key2[slab][inner]
+                for cut in range(size, per_slab, size) if slabs > 1 else ():
+                    margins.append(float(slab_keys[cut] - slab_keys[cut - 1]))
+                ordered.extend(slab[i] for i in inner)
+            runs.append([ordered[k * size:(k + 1) * size] for k in range(count)])
         for src, dst in zip(*runs):
             scores = unit[src] @ unit[dst].T
             best_dst, best = scores.argmax(axis=-1), scores.max(axis=-1)

@@ -127,9 +127,10 @@ def test_dense_plan_keeps_half_tokens_in_half_precision(half, agreement, order, 
         plan = LocalMergePlan.from_matching(x_half, (16, 16, 8, 8, 2, 2), table[0], 24, kind="gpu", order=order)
         merged = plan.merge(x_half)
         out = plan.unmerge(merged)
-    # similarity, merge and unmerge (and in feature order the mean token and the sort key): all on half operands
+    # similarity, merge and unmerge, all on half operands; feature order adds the mean token and the first key (2),
+    # three power iterations of 3 products and the second key (2): 16 in all
     assert set(operands) == {(f"paddle.{half}", f"paddle.{half}")}
-    assert sum(operands.values()) == (5 if order == "feature" else 3)
+    assert sum(operands.values()) == (16 if order == "feature" else 3)
     assert merged.dtype == x_half.dtype and out.dtype == x_half.dtype
     reference = LocalMergePlan.from_matching(x_half.astype("float32"), (16, 16, 8, 8, 2, 2), table[0], 24, kind="gpu",
                                              order=order)
