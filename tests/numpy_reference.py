@@ -143,28 +143,9 @@ def reference_local(metric: np.ndarray, x: np.ndarray, h: int, w: int, wy: int, 
             order = [cells[i] for i in partition[k]]
             src, dst = order[:num_src], order[num_src:]
             unit = metric[b] / np.maximum(np.linalg.norm(metric[b], axis=-1, keepdims=True), 1e-300)
-            scores = unit[src] @ unit[dst].T
-            best_dst, best = scores.argmax(axis=-1), scores.max(axis=-1)
-            ranked = np.argsort(-best, kind="stable")
-            top = np.sort(scores, axis=-1)
-            if top.shape[1] > 1:
-                margins.append(float((top[:, -1] - top[:, -2]).min()))
-            if 0 < r_w < len(best):
-                margins.append(float(-np.diff(np.sort(best)[::-1])[r_w - 1]))
-            sums = x[b, dst].copy()
-            count = np.ones(len(dst))
-            for i in ranked[:r_w]:
-                sums[best_dst[i]] += x[b, src[i]]
-                count[best_dst[i]] += 1
-            means = sums / count[:, None]
-            rows.extend(x[b, src[i]] for i in ranked[r_w:])
+            kept, means = _merge_window(unit, x[b], src, dst, r_w, round_trip[b], margins)
+            rows.extend(x[b, src[i]] for i in kept)
             rows.extend(means)
-            for i in ranked[r_w:]:
-                round_trip[b, src[i]] = x[b, src[i]]
-            for j, pos in enumerate(dst):
-                round_trip[b, pos] = means[j]
-            for i in ranked[:r_w]:
-                round_trip[b, src[i]] = means[best_dst[i]]
         merged.append(np.stack(rows))
     return np.stack(merged), round_trip, min(margins)
 
@@ -220,23 +201,32 @@ def reference_local_feature(metric: np.ndarray, x: np.ndarray, h: int, w: int, w
                 ordered.extend(slab[i] for i in inner)
             runs.append([ordered[k * size:(k + 1) * size] for k in range(count)])
         for src, dst in zip(*runs):
-            scores = unit[src] @ unit[dst].T
-            best_dst, best = scores.argmax(axis=-1), scores.max(axis=-1)
-            ranked = np.argsort(-best, kind="stable")
-            top = np.sort(scores, axis=-1)
-            if top.shape[1] > 1:
-                margins.append(float((top[:, -1] - top[:, -2]).min()))
-            if 0 < r_w < len(best):
-                margins.append(float(-np.diff(np.sort(best)[::-1])[r_w - 1]))
-            sums, sizes = x[b, dst].copy(), np.ones(len(dst))
-            for i in ranked[:r_w]:
-                sums[best_dst[i]] += x[b, src[i]]
-                sizes[best_dst[i]] += 1
-            means = sums / sizes[:, None]
-            for i in ranked[r_w:]:
-                round_trip[b, src[i]] = x[b, src[i]]
-            for j, pos in enumerate(dst):
-                round_trip[b, pos] = means[j]
-            for i in ranked[:r_w]:
-                round_trip[b, src[i]] = means[best_dst[i]]
+            _merge_window(unit, x[b], src, dst, r_w, round_trip[b], margins)
     return round_trip, min(margins)
+
+
+def _merge_window(unit: np.ndarray, x: np.ndarray, src, dst, r_w: int, round_trip: np.ndarray, margins: list):
+    """One window of one item: match ``src`` to ``dst`` (grid positions) by the cosine of their ``unit`` rows,
+    merge the ``r_w`` most similar src into their dst by mean, write the round trip of ``x`` into ``round_trip``
+    and the deciding gaps into ``margins``. Returns the kept src (indices into ``src``, in descending similarity)
+    and the means of the dst groups."""
+    scores = unit[src] @ unit[dst].T
+    best_dst, best = scores.argmax(axis=-1), scores.max(axis=-1)
+    ranked = np.argsort(-best, kind="stable")
+    top = np.sort(scores, axis=-1)
+    if top.shape[1] > 1:
+        margins.append(float((top[:, -1] - top[:, -2]).min()))
+    if 0 < r_w < len(best):
+        margins.append(float(-np.diff(np.sort(best)[::-1])[r_w - 1]))
+    sums, sizes = x[dst].copy(), np.ones(len(dst))
+    for i in ranked[:r_w]:
+        sums[best_dst[i]] += x[src[i]]
+        sizes[best_dst[i]] += 1
+    means = sums / sizes[:, None]
+    for i in ranked[r_w:]:
+        round_trip[src[i]] = x[src[i]]
+    for j, pos in enumerate(dst):
+        round_trip[pos] = means[j]
+    for i in ranked[:r_w]:
+        round_trip[src[i]] = means[best_dst[i]]
+    return ranked[r_w:], means

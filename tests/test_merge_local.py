@@ -55,12 +55,14 @@ def test_window_partition_slots_are_uniform():
     assert ((counts - expected) ** 2 / expected).sum() < 16.3  # chi-square, 3 dof, p = 0.001
 
 
-def tie_free_local(seed, batch, h, w, wy, wx, channels, partition, num_src, r_w):
+def tie_free_local(seed, batch, h, w, wy, wx, channels, partition, num_src, r_w, reference=reference_local, shift=0.0):
+    """Tokens ``x`` and a metric whose decisions under ``reference`` (the last of its results is the smallest
+    deciding margin) are all clear of float32 rounding; ``shift`` moves the metric's mean off zero."""
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((batch, h * w, 5)).astype(np.float32)
     for _ in range(50):
-        metric = rng.standard_normal((batch, h * w, channels)).astype(np.float32)
-        *_, margin = reference_local(metric, x, h, w, wy, wx, partition, num_src, r_w)
+        metric = (rng.standard_normal((batch, h * w, channels)) + shift).astype(np.float32)
+        margin = reference(metric, x, h, w, wy, wx, partition, num_src, r_w)[-1]
         if margin > 2e-6:
             return metric, x
     raise AssertionError("could not draw a tie-free metric")
@@ -175,17 +177,6 @@ def test_local_matching_needs_a_small_fraction_of_global_temporaries(kind, order
 
 
 # match_order="feature": windows cut along the tokens' features ---------------------------------------------------------
-def tie_free_feature(seed, batch, h, w, wy, wx, channels, partition, num_src, r_w):
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal((batch, h * w, 5)).astype(np.float32)
-    for _ in range(50):
-        metric = (rng.standard_normal((batch, h * w, channels)) + 0.5).astype(np.float32)  # a mean to sort along
-        _, margin = reference_local_feature(metric, x, h, w, wy, wx, partition, num_src, r_w)
-        if margin > 2e-6:
-            return metric, x
-    raise AssertionError("could not draw a tie-free metric")
-
-
 @pytest.mark.parametrize("kind", ["cpu", "gpu"])
 @pytest.mark.parametrize("batch,h,w,window,r_w,random", CASES)
 def test_feature_order_plan_matches_the_numpy_reference(kind, batch, h, w, window, r_w, random):
@@ -193,7 +184,8 @@ def test_feature_order_plan_matches_the_numpy_reference(kind, batch, h, w, windo
     table = window_partition_table(h, w, wy, wx, 2, 2, step_key(321) if random else None, seed=3, blocks=1)
     partition = table[0].numpy()
     num_src = wy * wx - (wy // 2) * (wx // 2)
-    metric, x = tie_free_feature(2, batch, h, w, wy, wx, 12, partition, num_src, r_w)
+    metric, x = tie_free_local(2, batch, h, w, wy, wx, 12, partition, num_src, r_w, reference_local_feature,
+                               shift=0.5)  # a mean to sort along
     round_trip_ref, _ = reference_local_feature(metric, x, h, w, wy, wx, partition, num_src, r_w)
     plan = LocalMergePlan.from_matching(paddle.to_tensor(metric), (h, w, wy, wx, 2, 2), table[0], r_w, kind=kind,
                                         order="feature")
