@@ -78,13 +78,17 @@ CASES = [
 ]
 
 
+def case_partition(h, w, window, random):
+    """The window sides, partition table (as a tensor and its first row in numpy) and src per window of a case."""
+    wy, wx = window_sides(h, w, window)
+    table = window_partition_table(h, w, wy, wx, 2, 2, step_key(321) if random else None, seed=3, blocks=1)
+    return wy, wx, table, table[0].numpy(), wy * wx - (wy // 2) * (wx // 2)
+
+
 @pytest.mark.parametrize("kind", ["cpu", "gpu"])
 @pytest.mark.parametrize("batch,h,w,window,r_w,random", CASES)
 def test_local_plan_matches_the_numpy_reference(kind, batch, h, w, window, r_w, random):
-    wy, wx = window_sides(h, w, window)
-    table = window_partition_table(h, w, wy, wx, 2, 2, step_key(321) if random else None, seed=3, blocks=1)
-    partition = table[0].numpy()
-    num_src = wy * wx - (wy // 2) * (wx // 2)
+    wy, wx, table, partition, num_src = case_partition(h, w, window, random)
     metric, x = tie_free_local(1, batch, h, w, wy, wx, 12, partition, num_src, r_w)
     merged_ref, round_trip_ref, _ = reference_local(metric, x, h, w, wy, wx, partition, num_src, r_w)
     plan = LocalMergePlan.from_matching(paddle.to_tensor(metric), (h, w, wy, wx, 2, 2), table[0], r_w, kind=kind)
@@ -180,10 +184,7 @@ def test_local_matching_needs_a_small_fraction_of_global_temporaries(kind, order
 @pytest.mark.parametrize("kind", ["cpu", "gpu"])
 @pytest.mark.parametrize("batch,h,w,window,r_w,random", CASES)
 def test_feature_order_plan_matches_the_numpy_reference(kind, batch, h, w, window, r_w, random):
-    wy, wx = window_sides(h, w, window)
-    table = window_partition_table(h, w, wy, wx, 2, 2, step_key(321) if random else None, seed=3, blocks=1)
-    partition = table[0].numpy()
-    num_src = wy * wx - (wy // 2) * (wx // 2)
+    wy, wx, table, partition, num_src = case_partition(h, w, window, random)
     metric, x = tie_free_local(2, batch, h, w, wy, wx, 12, partition, num_src, r_w, reference_local_feature,
                                shift=0.5)  # a mean to sort along
     round_trip_ref, _ = reference_local_feature(metric, x, h, w, wy, wx, partition, num_src, r_w)
