@@ -1000,8 +1000,8 @@ def _window_tensors(win: "_Windows") -> Dict[str, paddle.Tensor]:
         "slots": _const(win.slots), "top_left": _const(win.top_left),
         "identity": _const(np.tile(np.arange(win.size, dtype=np.int64), (win.count, 1))),
         # the sort key's offset in feature order: every src (key in [-1, 1]) before every dst
-        "dst_shift": paddle.to_tensor(np.repeat(np.array([0.0, 4.0], np.float32),
-                                                [win.count * win.num_src, win.count * win.num_dst])[None, :]),
+        "dst_shift": _const(np.repeat([0.0, 4.0], [win.count * win.num_src, win.count * win.num_dst])[None, :],
+                            "float32"),
     }
 
 
@@ -1031,24 +1031,36 @@ def window_partition_table(
     return paddle.argsort(is_dst, axis=-1, stable=True)
 
 
+def _window_positions(win: "_Windows", partition: paddle.Tensor) -> Tuple[paddle.Tensor, paddle.Tensor]:
+    """The grid positions of every window's src ``[W, Ns_w]`` and dst ``[W, Nd_w]`` under ``partition``."""
+    pos = paddle.take_along_axis(win.tensors()["order"], partition, axis=1, broadcast=False)  # [W, T] positions
+    return paddle.split(pos, [win.num_src, win.num_dst], axis=1)
+
+
+def _best_in_windows(src: paddle.Tensor, dst: paddle.Tensor, win: "_Windows") -> Tuple[paddle.Tensor, paddle.Tensor]:
+    """Best dst and its cosine for every src, window by window (``[B*W, Ns_w]`` each), from unit src and dst rows
+    in window order: one batched ``[B*W, Ns_w, Nd_w]`` product. A best similarity that is not finite counts as 0."""
+    channels = src.shape[-1]
+    src, dst = src.reshape([-1, win.num_src, channels]), dst.reshape([-1, win.num_dst, channels])
+    scores = paddle.matmul(src, dst, transpose_y=True)  # [B*W, Ns_w, Nd_w]
+    del src, dst
+    return _clear_non_finite(scores.max(axis=-1)), scores.argmax(axis=-1)
+
+
 def _match_windows(metric: paddle.Tensor, win: "_Windows", partition: paddle.Tensor, kind: str
                    ) -> Tuple[paddle.Tensor, paddle.Tensor]:
     """Best dst in its window and the cosine similarity to it, for every src of every window: ``[B*W, Ns_w]`` each.
     The src and the dst are gathered into window order (the one token-sized buffer, normalised in place) and
     compared with one batched ``[B*W, Ns_w, Nd_w]`` product. Non-finite tokens are not cleared token by token (a
     dense plan spreads them over their window anyway); a src whose best similarity is not finite counts as 0."""
-    work, channels = similarity_dtype(metric.dtype, kind), metric.shape[2]
+    work = similarity_dtype(metric.dtype, kind)
     if _dtype_name(metric.dtype) != work:
         metric = metric.astype(work)
-    pos = paddle.take_along_axis(win.tensors()["order"], partition, axis=1, broadcast=False)  # [W, T] positions
-    src_pos, dst_pos = paddle.split(pos, [win.num_src, win.num_dst], axis=1)
+    src_pos, dst_pos = _window_positions(win, partition)
     # normalised before the reshape: a static program refuses in-place ops on a reshaped (viewed) tensor
     src = _normalize_rows(paddle.gather(metric, src_pos.reshape([-1]), axis=1), kind, in_place=True)
     dst = _normalize_rows(paddle.gather(metric, dst_pos.reshape([-1]), axis=1), kind, in_place=True)
-    src, dst = src.reshape([-1, win.num_src, channels]), dst.reshape([-1, win.num_dst, channels])
-    scores = paddle.matmul(src, dst, transpose_y=True)  # [B*W, Ns_w, Nd_w]
-    del src, dst
-    return _clear_non_finite(scores.max(axis=-1)), scores.argmax(axis=-1)
+    return _best_in_windows(src, dst, win)
 
 
 # power iterations for the second sort key of feature order (measured on sd15-narrow: 2 iterations were 1-2% further
@@ -1058,8 +1070,11 @@ _AXIS_ITERATIONS = 3
 
 def _start_axis(channels: int, dtype: str) -> paddle.Tensor:
     """A fixed ``[1, 1, C]`` start vector for the power iterations (drawn once from a seeded generator)."""
-    values = np.random.default_rng(channels).standard_normal((1, 1, channels)).astype(np.float32)
-    return _CACHE.get(("start_axis", channels, dtype), lambda: paddle.to_tensor(values).astype(dtype))
+    return _CACHE.get(("start_axis", channels, dtype), _build_start_axis, channels, dtype)
+
+
+def _build_start_axis(channels: int, dtype: str) -> paddle.Tensor:
+    return _const(np.random.default_rng(channels).standard_normal((1, 1, channels)), "float32").astype(dtype)
 
 
 def _unit_length(v: paddle.Tensor) -> paddle.Tensor:
@@ -1128,8 +1143,7 @@ def _match_feature_windows(metric: paddle.Tensor, win: "_Windows", partition: pa
         metric = metric.astype(work)
     num_src = win.count * win.num_src
     t = win.tensors()
-    pos = paddle.take_along_axis(t["order"], partition, axis=1, broadcast=False)  # [W, T] positions
-    src_pos, dst_pos = paddle.split(pos, [win.num_src, win.num_dst], axis=1)
+    src_pos, dst_pos = _window_positions(win, partition)
     ranked = paddle.concat([src_pos.reshape([-1]), dst_pos.reshape([-1])])  # [N]: every src, then every dst
     slabs = feature_slabs(win.count)
     keys = [paddle.gather(key, ranked, axis=1) for key in _feature_keys(metric, kind, slabs > 1)]
@@ -1149,13 +1163,12 @@ def _match_feature_windows(metric: paddle.Tensor, win: "_Windows", partition: pa
     src_rows, dst_rows = paddle.split(rows, [num_src, tokens - num_src], axis=1)
     src = _normalize_rows(paddle.gather(flat, src_rows.reshape([-1])), kind, in_place=True)
     dst = _normalize_rows(paddle.gather(flat, dst_rows.reshape([-1])), kind, in_place=True)
-    src, dst = src.reshape([-1, win.num_src, channels]), dst.reshape([-1, win.num_dst, channels])
-    scores = paddle.matmul(src, dst, transpose_y=True)  # [B*W, Ns_w, Nd_w]
+    best, best_dst = _best_in_windows(src, dst, win)
     del src, dst
     src_layout, dst_layout = paddle.split(layout, [num_src, tokens - num_src], axis=1)
     windows = paddle.concat([src_layout.reshape([-1, win.count, win.num_src]),
                              dst_layout.reshape([-1, win.count, win.num_dst])], axis=2)  # [B, W, T]
-    return _clear_non_finite(scores.max(axis=-1)), scores.argmax(axis=-1), windows
+    return best, best_dst, windows
 
 
 class LocalMergePlan(MergePlan):
@@ -1332,7 +1345,7 @@ def _build_slab_shift(win: "_Windows", slabs: int) -> paddle.Tensor:
     num_src, num_dst = win.count * win.num_src, win.count * win.num_dst
     src = np.arange(num_src) // (num_src // slabs)
     dst = np.arange(num_dst) // (num_dst // slabs) + slabs
-    return paddle.to_tensor((4.0 * np.concatenate([src, dst])).astype(np.float32)[None, :])
+    return _const(4.0 * np.concatenate([src, dst])[None, :], "float32")
 
 
 def _item_offsets(batch: int, tokens: int, like: paddle.Tensor) -> paddle.Tensor:
