@@ -197,10 +197,13 @@ def plan_peaks(tokens: int, channels: int) -> Dict[str, float]:
     return peaks
 
 
-PEAK_OF = {"tome": "global", "tome+share": "global", "local16": "local16", "local16+share": "local16",
-           "local32": "local32", "local32+share": "local32", "local16f": "local16f", "local16f+share": "local16f",
-           "local32f": "local32f", "local32f+share": "local32f",
-           "todo": "todo"}
+def peak_of(name: str) -> Any:
+    """The :func:`plan_peaks` entry that configuration ``name`` would have: its plan's (``+share`` shares the same
+    plan; tomesd's is the global one), or None for vanilla. Callers show "–" for an entry that was not measured."""
+    if name == "vanilla":
+        return None
+    plan = name.split("+")[0]
+    return "global" if plan == "tome" else plan
 
 
 def main(argv=None) -> None:
@@ -245,7 +248,7 @@ def main(argv=None) -> None:
                     "inf" if not np.isfinite(c["psnr_mean"]) else f"{c['psnr_mean']:.1f} ± {c['psnr_sd']:.1f}",
                     f"{c['plans_per_call']:.1f}", "-" if o is None else f"{o['per_block']:.1f}",
                     "-" if o is None else str(o["per_call"]),
-                    "-" if name not in PEAK_OF else f"{peaks[PEAK_OF[name]]:.1f}",
+                    "-" if peak_of(name) not in peaks else f"{peaks[peak_of(name)]:.1f}",
                 ])
             print(render_table(rows), flush=True)
             result["cells"].append({"preset": preset, "resolution": resolution, "seeds": args.seeds, "tokens": tokens,
@@ -286,7 +289,7 @@ def markdown_tables(result: Dict[str, Any]) -> str:
                 "| plans / call | GPU ops / block | GPU ops / call | peak MiB | Pareto |",
                 "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for name, c in cell["configs"].items():
-            ops, peak = cell["gpu_ops"].get(name), PEAK_OF.get(name)
+            ops, peak = cell["gpu_ops"].get(name), peak_of(name)
             if name == "vanilla":
                 speed, rel, versus, quality = "1.00×", "0", "", "∞"
             else:
@@ -298,7 +301,7 @@ def markdown_tables(result: Dict[str, Any]) -> str:
                     t = against_tome(cell, name)
                     spread = "" if t["within_spread"] else " †"
                     versus = f"{t['relative']:+.0%} ({t['further_in']}/{t['seeds']}){spread}"
-            peak_text = "–" if peak is None else f"{cell['peak_mib'][peak]:.1f}"
+            peak_text = "–" if peak not in cell["peak_mib"] else f"{cell['peak_mib'][peak]:.1f}"
             per_block = "–" if ops is None else f"{ops['per_block']:.1f}"
             per_call = "–" if ops is None else str(ops["per_call"])
             label = "vanilla" if name == "vanilla" else f"`{name}`"
