@@ -123,8 +123,9 @@ def measure_cell(pipe, resolution: int, vae_scale: int, seeds: int, configs: Dic
 
 def count_gpu_ops(pipe, vae_scale: int, configs: Dict[str, Any], latent: int = 32) -> Dict[str, Dict[str, float]]:
     """Eager ops added by each configuration, GPU branch forced, at a ``latent x latent`` latent: per merging block
-    and per call. The count does not depend on the size, except for ``match_order="feature"``, whose plan sorts by
-    a second key only when there is more than one window: :func:`main` counts those at each cell's own size."""
+    and per call. The count does not depend on the size, except for ``match_order="feature"``, whose plan sorts once
+    per level of its cut, and the levels follow the window count: :func:`main` counts those at each cell's own
+    size."""
     merge_module.DEVICE_OVERRIDE = "gpu"
     try:
         sample, timestep, context = unet_inputs(pipe.unet, latent * vae_scale, vae_scale, 0)

@@ -173,13 +173,14 @@ class ToMeConfig:
             as two small matrices per window, and merge and unmerge are one batched matmul each (few kernel
             launches, a fixed summation order, memory that grows as ``N * window``).
         match_order: how ``match_window``'s windows are cut: ``"grid"`` (the default: tiles of the token grid) or
-            ``"feature"``: like the cells of a two-level k-d tree over the tokens' directions. The src and the dst
-            are each sorted by their cosine with the mean token and cut into slabs, each slab is sorted along the
-            main direction the mean does not explain and cut into windows of the same sizes as grid windows, so a
-            window holds tokens that point the same way wherever they are on the grid. Same matching work and
-            memory, closer to global matching (measured); a plan costs about 115 more operators (two sorts, a few
-            power iterations), and on a GPU merge and unmerge use one ``gather_nd`` each instead of a ``gather``
-            and a reshape. Needs ``match_window``.
+            ``"feature"``: like the cells of a k-d tree over the tokens' directions. The src and the dst are each
+            sorted by their cosine with the mean token and cut into equal parts, each part is sorted along the main
+            direction the mean does not explain and cut again, then along the next one, up to four levels (the
+            window count's prime factors, e.g. 2 x 2 x 3 x 3 for 36 windows), into windows of the same sizes as
+            grid windows: a window holds tokens that point the same way wherever they are on the grid. Same
+            matching work and memory, as close to vanilla as global matching (measured); a plan costs about 80-130
+            more operators (one sort per level, a small ``[B, C, C]`` eigen-problem), and on a GPU merge and
+            unmerge use one ``gather_nd`` each instead of a ``gather`` and a reshape. Needs ``match_window``.
         share_plan: ``"block"`` (the default: every block matches its own input, as in tomesd) or ``"level"``: the
             first merging block at each token count plans, and the others at that count reuse its plan in the
             same call (and, with ``recompute_every``, across steps).

@@ -1063,18 +1063,22 @@ def _match_windows(metric: paddle.Tensor, win: "_Windows", partition: paddle.Ten
     return _best_in_windows(src, dst, win)
 
 
-# power iterations for the second sort key of feature order (measured on sd15-narrow: 2 iterations were 1-2% further
-# from vanilla than 4; 3 is the compromise in operators)
-_AXIS_ITERATIONS = 3
+# feature order cuts its windows along at most this many keys: the cosine with the mean token, then principal axes
+# (a side experiment with exact axes on sd15-narrow at 768², 36 windows, 4 seeds: 6 x 6 cuts along two keys were +3%
+# from tomesd's distance, 4 x 3 x 3 along three +1%, 2 x 2 x 3 x 3 along four +0%)
+MAX_FEATURE_LEVELS = 4
+# squarings of the second moment before an axis is read off it: 3 give the 8th power, i.e. 8 power iterations
+_MOMENT_SQUARINGS = 3
 
 
-def _start_axis(channels: int, dtype: str) -> paddle.Tensor:
-    """A fixed ``[1, 1, C]`` start vector for the power iterations (drawn once from a seeded generator)."""
-    return _CACHE.get(("start_axis", channels, dtype), _build_start_axis, channels, dtype)
+def _start_axes(count: int, channels: int) -> paddle.Tensor:
+    """Fixed start vectors for the power iterations of :func:`_principal_axes`, ``[1, count, C]`` float32 (drawn
+    once from a seeded generator)."""
+    return _CACHE.get(("start_axes", count, channels), _build_start_axes, count, channels)
 
 
-def _build_start_axis(channels: int, dtype: str) -> paddle.Tensor:
-    return _const(np.random.default_rng(channels).standard_normal((1, 1, channels)), "float32").astype(dtype)
+def _build_start_axes(count: int, channels: int) -> paddle.Tensor:
+    return _const(np.random.default_rng(channels).standard_normal((1, count, channels)), "float32")
 
 
 def _unit_length(v: paddle.Tensor) -> paddle.Tensor:
@@ -1082,13 +1086,52 @@ def _unit_length(v: paddle.Tensor) -> paddle.Tensor:
     return _clear_non_finite(v * paddle.rsqrt(paddle.sum(paddle.square(v), axis=-1, keepdim=True)))
 
 
-def _feature_keys(metric: paddle.Tensor, kind: str, second: bool) -> List[paddle.Tensor]:
-    """The sort keys of feature order, ``[B, N]`` float32 each, in [-1, 1] (0 for a token that is zero or not
-    finite): the cosine of every token with its item's mean unit token ``m``, and with ``second`` also the
-    projection of its unit vector on the main direction of what ``m`` does not explain (the top principal axis of
-    the unit tokens' components orthogonal to ``m``; they have mean 0, so no centring), found by a few power
-    iterations that never form a token-sized buffer: each is two ``[B, N, C]`` products with a vector. (On a CPU
-    one ``square`` of the tokens is transient.)"""
+def _principal_axes(metric: paddle.Tensor, rnorm: paddle.Tensor, along: paddle.Tensor, count: int) -> paddle.Tensor:
+    """The top ``count`` principal axes (``[B, count, C]`` float32, orthonormal, strongest first) of the unit tokens'
+    components orthogonal to ``along`` (the unit mean, ``[B, 1, C]`` float32). They have mean 0, so no centring.
+
+    The ``[B, C, C]`` second-moment matrix of the unit tokens is one product over the tokens (in their dtype: the
+    factors are scaled by ``1/sqrt(N)`` so every entry and sum stays below 1). Each axis is then found on that small
+    matrix in float32: projected off ``along`` and the axes found so far, scaled to Frobenius norm 1, squared
+    :data:`_MOMENT_SQUARINGS` times, and a fixed start vector times that power (8 power iterations) is the axis.
+    (Deflating before the power, not orthonormalising after it: the 8th power of one matrix maps every start
+    vector onto nearly the top axis, and what a Gram-Schmidt would keep of the others is rounding.) Nothing larger
+    than ``B * C * C`` besides one transient copy of the tokens."""
+    n, channels = metric.shape[1], metric.shape[2]
+    scaled = metric * paddle.scale(rnorm, 1.0 / math.sqrt(n))  # [B, N, C]: unit rows / sqrt(N)
+    moment = paddle.matmul(scaled, scaled, transpose_x=True)  # [B, C, C], trace <= 1
+    del scaled
+    if _dtype_name(moment.dtype) != "float32":
+        moment = moment.astype("float32")
+    start = _start_axes(count, channels)
+    found, axes = along, []
+    for index in range(count):
+        project = _eye(channels) - paddle.matmul(found, found, transpose_x=True)  # [B, C, C]: off what is found
+        power = paddle.matmul(paddle.matmul(project, moment), project)
+        # (a zero or non-finite power gives a non-finite axis, which _unit_length clears to 0)
+        power = power * paddle.rsqrt(paddle.sum(paddle.square(power), axis=[1, 2], keepdim=True))
+        for _ in range(_MOMENT_SQUARINGS):
+            power = paddle.matmul(power, power)
+        axes.append(_unit_length(paddle.matmul(start[:, index:index + 1], power)))  # [B, 1, C]
+        if index + 1 < count:
+            found = paddle.concat([found, axes[-1]], axis=1)
+    return paddle.concat(axes, axis=1) if count > 1 else axes[0]
+
+
+def _eye(channels: int) -> paddle.Tensor:
+    """A cached ``[C, C]`` float32 identity."""
+    return _CACHE.get(("eye", channels), _build_eye, channels)
+
+
+def _build_eye(channels: int) -> paddle.Tensor:
+    return _const(np.eye(channels), "float32")
+
+
+def _feature_keys(metric: paddle.Tensor, kind: str, levels: int) -> paddle.Tensor:
+    """The sort keys of feature order, ``[B, N, levels]`` float32, in [-1, 1] (0 for a token that is zero or not
+    finite): the cosine of every token with its item's mean unit token ``m``, then the projections of its unit
+    vector on the top ``levels - 1`` principal axes of what ``m`` does not explain (:func:`_principal_axes`).
+    (On a CPU one ``square`` of the tokens is transient.)"""
     n = metric.shape[1]
     if kind == "gpu":
         rnorm = paddle.reciprocal(paddle.linalg.norm(metric, p=2, axis=-1, keepdim=True))  # [B, N, 1]
@@ -1098,42 +1141,45 @@ def _feature_keys(metric: paddle.Tensor, kind: str, second: bool) -> List[paddle
     rnorm = _clear_non_finite(rnorm)  # zero, NaN and inf rows weigh nothing
     # means over N (not sums): no product leaves a half-precision range; lengths do not change an order
     mean = paddle.scale(paddle.matmul(rnorm, metric, transpose_x=True), 1.0 / n)  # [B, 1, C]
-    keys = [paddle.matmul(metric, mean, transpose_y=True) * rnorm]  # [B, N, 1]
-    if second:
-        along = _unit_length(mean)
-        axis = _start_axis(metric.shape[-1], _dtype_name(metric.dtype))
-        for _ in range(_AXIS_ITERATIONS):
-            axis = axis - paddle.matmul(axis, along, transpose_y=True) * along  # orthogonal to the mean
-            axis = _unit_length(axis)
-            weights = paddle.matmul(metric, axis, transpose_y=True) * paddle.square(rnorm)  # [B, N, 1]
-            axis = paddle.scale(paddle.matmul(weights, metric, transpose_x=True), 1.0 / n)  # [B, 1, C]
-        axis = _unit_length(axis - paddle.matmul(axis, along, transpose_y=True) * along)
-        keys.append(paddle.matmul(metric, axis, transpose_y=True) * rnorm)
-    return [_clear_non_finite(key.astype("float32")).reshape([-1, n]) for key in keys]
+    directions = mean
+    if levels > 1:
+        along = _unit_length(mean.astype("float32") if _dtype_name(mean.dtype) != "float32" else mean)
+        axes = _principal_axes(metric, rnorm, along, levels - 1)
+        if _dtype_name(metric.dtype) != "float32":
+            axes = axes.astype(metric.dtype)
+        directions = paddle.concat([mean, axes], axis=1)  # [B, levels, C]
+    keys = paddle.matmul(metric, directions, transpose_y=True) * rnorm  # [B, N, levels]
+    return _clear_non_finite(keys.astype("float32") if _dtype_name(keys.dtype) != "float32" else keys)
 
 
-def feature_slabs(windows: int) -> int:
-    """How many slabs feature order cuts along its first key before cutting each slab into runs along the second:
-    the largest divisor of ``windows`` not above its square root (1 window: no second key).
+def feature_levels(windows: int) -> List[int]:
+    """How feature order cuts ``windows`` windows: the number of parts at each level of its k-d tree (the product is
+    ``windows``), the first level along the cosine with the mean token, each next one along the next principal
+    axis. The prime factors of ``windows``, smallest first, the two smallest multiplied together while there are
+    more than :data:`MAX_FEATURE_LEVELS`.
 
-    >>> [feature_slabs(w) for w in (1, 2, 4, 9, 16, 36, 12)]
-    [1, 1, 2, 3, 4, 6, 3]
+    >>> [feature_levels(w) for w in (1, 2, 4, 9, 16, 36, 64, 12)]
+    [[], [2], [2, 2], [3, 3], [2, 2, 2, 2], [2, 2, 3, 3], [2, 2, 4, 4], [2, 2, 3]]
     """
-    best = 1
-    for d in range(1, int(math.isqrt(windows)) + 1):
-        if windows % d == 0:
-            best = d
-    return best
+    factors, rest, p = [], windows, 2
+    while rest > 1:
+        while rest % p == 0:
+            factors.append(p)
+            rest //= p
+        p += 1
+    while len(factors) > MAX_FEATURE_LEVELS:
+        factors = sorted([factors[0] * factors[1]] + factors[2:])
+    return factors
 
 
 def _match_feature_windows(metric: paddle.Tensor, win: "_Windows", partition: paddle.Tensor, kind: str
                            ) -> Tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor]:
     """Like :func:`_match_windows`, but the windows are cut along the tokens' features instead of the grid, like
-    the cells of a two-level k-d tree: the src (and, separately, the dst) of the partition are sorted by their
-    first key (see :func:`_feature_keys`) and cut into ``S`` equal slabs (:func:`feature_slabs`), each slab is
-    sorted by the second key and cut into ``W / S`` equal runs, and window ``k`` holds the ``k``-th run of src and
-    the ``k``-th run of dst: tokens that point the same way, wherever they are on the grid. Same sizes, the same
-    similarity product as grid windows.
+    the cells of a k-d tree over their directions (:func:`feature_levels` says how many parts at each level): the
+    src (and, separately, the dst) of the partition are sorted by their first key (see :func:`_feature_keys`) and
+    cut into equal parts, each part is sorted by the next key and cut again, and so on; window ``k`` holds the
+    ``k``-th run of src and the ``k``-th run of dst: tokens that point the same way, wherever they are on the grid.
+    Same sizes, the same similarity product as grid windows.
 
     Returns the best similarity and dst of every src (``[B*W, Ns_w]`` each) and the window layout ``[B, W, T]``:
     the grid position of each window's tokens, its src first, then its dst (so the window-local partition is the
@@ -1145,8 +1191,9 @@ def _match_feature_windows(metric: paddle.Tensor, win: "_Windows", partition: pa
     t = win.tensors()
     src_pos, dst_pos = _window_positions(win, partition)
     ranked = paddle.concat([src_pos.reshape([-1]), dst_pos.reshape([-1])])  # [N]: every src, then every dst
-    slabs = feature_slabs(win.count)
-    keys = [paddle.gather(key, ranked, axis=1) for key in _feature_keys(metric, kind, slabs > 1)]
+    levels = feature_levels(win.count)
+    keys = paddle.gather(_feature_keys(metric, kind, max(len(levels), 1)), ranked, axis=1)  # [B, N, L] in rank order
+    keys = paddle.unbind(keys, axis=2) if len(levels) > 1 else [keys.reshape([-1, tokens])]
     spare = 1 if kind == "gpu" and int(metric.shape[0]) == 1 else 0  # (a one-row GPU sort syncs)
 
     def sort(key: paddle.Tensor) -> paddle.Tensor:
@@ -1154,9 +1201,11 @@ def _match_feature_windows(metric: paddle.Tensor, win: "_Windows", partition: pa
         return order[:-1] if spare else order
 
     order = sort(keys[0] + t["dst_shift"])  # [B, N]: src by the first key, then dst by it
-    if slabs > 1:  # within each slab of that order, by the second key
-        second = paddle.take_along_axis(keys[1], order, axis=1, broadcast=False)
-        order = paddle.take_along_axis(order, sort(second + _slab_shift(win, slabs)), axis=1, broadcast=False)
+    cells = 1
+    for level in range(1, len(levels)):  # within each cell of that order, by the next key
+        cells *= levels[level - 1]
+        key = paddle.take_along_axis(keys[level], order, axis=1, broadcast=False)
+        order = paddle.take_along_axis(order, sort(key + _cell_shift(win, cells)), axis=1, broadcast=False)
     layout = paddle.gather(ranked, order.reshape([-1])).reshape([-1, tokens])  # [B, N] positions in window order
     rows = layout + _item_offsets(-1 if tracing() else int(metric.shape[0]), tokens, layout)  # [B, N] rows of the flattened [B*N, C] tokens
     flat = metric.reshape([-1, channels])
@@ -1335,16 +1384,17 @@ class LocalMergePlan(MergePlan):
         return paddle.gather(out.reshape([-1, self.num_tokens, channels]), win.tensors()["inverse"], axis=1)
 
 
-def _slab_shift(win: "_Windows", slabs: int) -> paddle.Tensor:
-    """``[1, N]`` float32 added to the second key in first-key order: 4 per slab (keys lie in [-1, 1]), the dst
-    after every src, so one sort orders the tokens by slab and by the second key inside each."""
-    return _CACHE.get(("slab_shift", win.count, win.num_src, win.num_dst, slabs), _build_slab_shift, win, slabs)
+def _cell_shift(win: "_Windows", cells: int) -> paddle.Tensor:
+    """``[1, N]`` float32 added to the next key in the current order, where the src and the dst are each cut into
+    ``cells`` equal runs: 4 per run (keys lie in [-1, 1]), the dst after every src, so one sort orders the tokens by
+    run and by the key inside each."""
+    return _CACHE.get(("cell_shift", win.count, win.num_src, win.num_dst, cells), _build_cell_shift, win, cells)
 
 
-def _build_slab_shift(win: "_Windows", slabs: int) -> paddle.Tensor:
+def _build_cell_shift(win: "_Windows", cells: int) -> paddle.Tensor:
     num_src, num_dst = win.count * win.num_src, win.count * win.num_dst
-    src = np.arange(num_src) // (num_src // slabs)
-    dst = np.arange(num_dst) // (num_dst // slabs) + slabs
+    src = np.arange(num_src) // (num_src // cells)
+    dst = np.arange(num_dst) // (num_dst // cells) + cells
     return _const(4.0 * np.concatenate([src, dst])[None, :], "float32")
 
 

@@ -11,7 +11,13 @@ import ppdiffusers_tome.merge as merge_module
 from ppdiffusers_tome.measure import count_ops
 from ppdiffusers_tome.merge import LocalMergePlan, step_key, window_partition_table, window_sides
 from tests.half_on_cpu import half_kernels
-from tests.numpy_reference import reference_local, reference_local_feature, reference_windows, sort_rows
+from tests.numpy_reference import (
+    reference_feature_levels,
+    reference_local,
+    reference_local_feature,
+    reference_windows,
+    sort_rows,
+)
 
 F32_TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -75,6 +81,8 @@ CASES = [
     (2, 13, 10, 4, 9, False),  # 13 is prime: one window per column of height 13, odd sides leave src-only rows
     (3, 6, 9, 3, 2, True),
     (2, 16, 16, 16, 96, True),  # one window: the global plan written densely
+    (2, 16, 16, 4, 5, True),  # 16 windows: feature order cuts along four keys (2 x 2 x 2 x 2)
+    (1, 24, 24, 4, 5, False),  # 36 windows: 2 x 2 x 3 x 3
 ]
 
 
@@ -129,14 +137,21 @@ def test_dense_plan_keeps_half_tokens_in_half_precision(half, agreement, order, 
     operands = collections.Counter()
     with half_kernels(monkeypatch):
         wrapped = paddle.matmul
-        monkeypatch.setattr(paddle, "matmul", lambda a, b, **k: operands.update([(str(a.dtype), str(b.dtype))]) or wrapped(a, b, **k))
+        small = 2 * 32 * 32  # B*C*C: feature order's second-moment matrix and its powers, kept in float32
+
+        def record(a, b, **k):
+            operands.update([(str(a.dtype), str(b.dtype), max(a.size, b.size) <= small)])
+            return wrapped(a, b, **k)
+        monkeypatch.setattr(paddle, "matmul", record)
         plan = LocalMergePlan.from_matching(x_half, (16, 16, 8, 8, 2, 2), table[0], 24, kind="gpu", order=order)
         merged = plan.merge(x_half)
         out = plan.unmerge(merged)
-    # similarity, merge and unmerge, all on half operands; feature order adds the mean token and the first key (2),
-    # three power iterations of 3 products and the second key (2): 16 in all
-    assert set(operands) == {(f"paddle.{half}", f"paddle.{half}")}
-    assert sum(operands.values()) == (16 if order == "feature" else 3)
+    # every product over the tokens on half operands: similarity, merge and unmerge; feature order adds the mean
+    # token, the second moment and the keys. Its [B, C, C] moment is projected (3 products), squared 3 times and
+    # applied to the start axis in float32 (8th powers of values below 1 underflow float16)
+    tokens = {(f"paddle.{half}", f"paddle.{half}", False): 6 if order == "feature" else 3}
+    assert dict(operands) == ({**tokens, ("paddle.float32", "paddle.float32", True): 7} if order == "feature"
+                              else tokens)
     assert merged.dtype == x_half.dtype and out.dtype == x_half.dtype
     reference = LocalMergePlan.from_matching(x_half.astype("float32"), (16, 16, 8, 8, 2, 2), table[0], 24, kind="gpu",
                                              order=order)
@@ -198,6 +213,50 @@ def test_feature_order_plan_matches_the_numpy_reference(kind, batch, h, w, windo
     # the merged rows are exactly the distinct rows of the round trip (kept src and group means)
     distinct = np.stack([np.unique(item.round(5), axis=0) for item in round_trip_ref])
     np.testing.assert_allclose(sort_rows(merged.numpy().round(5)), distinct, atol=2e-5)
+
+
+def test_feature_levels_are_the_window_counts_prime_factors_in_at_most_four_levels():
+    for windows in range(1, 300):
+        levels = merge_module.feature_levels(windows)
+        assert levels == reference_feature_levels(windows) and levels == sorted(levels)
+        assert int(np.prod(levels)) == windows and len(levels) <= merge_module.MAX_FEATURE_LEVELS
+
+
+def test_principal_axes_recover_planted_directions_off_the_mean():
+    # unit-ish tokens around a mean direction, spread along three planted orthogonal directions with well separated
+    # strengths: the axes must be those directions, strongest first, orthonormal and orthogonal to the mean
+    rng = np.random.default_rng(2)
+    channels, tokens = 24, 3000
+    basis = np.linalg.qr(rng.standard_normal((channels, 4)))[0].T  # mean direction, then three planted ones
+    spread = rng.standard_normal((2, tokens, 3)) * np.array([1.2, 0.7, 0.35])
+    metric = 2.0 * basis[0] + spread @ basis[1:] + 0.02 * rng.standard_normal((2, tokens, channels))
+    x = paddle.to_tensor(metric.astype(np.float32))
+    rnorm = paddle.to_tensor((1.0 / np.linalg.norm(metric, axis=-1, keepdims=True)).astype(np.float32))
+    unit = metric / np.linalg.norm(metric, axis=-1, keepdims=True)
+    along = unit.mean(axis=1, keepdims=True)
+    along /= np.linalg.norm(along, axis=-1, keepdims=True)
+    axes = merge_module._principal_axes(x, rnorm, paddle.to_tensor(along.astype(np.float32)), 3).numpy()
+    assert axes.shape == (2, 3, channels)
+    for b in range(2):
+        np.testing.assert_allclose(axes[b] @ axes[b].T, np.eye(3), atol=1e-5)
+        assert np.abs(axes[b] @ along[b, 0]).max() < 1e-4
+        # float64 reference: the eigenvectors of the second moment of the unit tokens projected off the mean
+        project = np.eye(channels) - np.outer(along[b, 0], along[b, 0])
+        vectors = np.linalg.eigh(project @ (unit[b].T @ unit[b]) @ project)[1][:, ::-1][:, :3].T
+        assert (np.abs((axes[b] * vectors).sum(axis=1)) > 0.999).all()
+
+
+def test_feature_plan_operator_count_stays_within_budget():
+    # a plan in feature order pays one sort per level and a small eigen-problem per axis: measured 119 ops with two
+    # levels (4 windows) and 171 with four (16 windows), against 40 for a grid plan
+    merge_module.clear_cache()
+    for side, budget in ((32, 125), (64, 175)):
+        x = paddle.randn([2, side * side, 32])
+        table = window_partition_table(side, side, 16, 16, 2, 2, step_key(3), seed=0, blocks=1)
+        plan = lambda: LocalMergePlan.from_matching(x, (side, side, 16, 16, 2, 2), table[0], 64, kind="gpu",  # noqa: E731
+                                                    order="feature")
+        plan()  # tables and constants are built on the first call
+        assert count_ops(plan).total <= budget, (side, count_ops(plan).by_name)
 
 
 def test_feature_order_puts_tokens_of_one_direction_in_one_window_wherever_they_are():
