@@ -999,9 +999,6 @@ def _window_tensors(win: "_Windows") -> Dict[str, paddle.Tensor]:
         "cell_key": _const(win.cell_key[None, :]), "cell_of": _const(win.cell_of), "slot_of": _const(win.slot_of[None, :]),
         "slots": _const(win.slots), "top_left": _const(win.top_left),
         "identity": _const(np.tile(np.arange(win.size, dtype=np.int64), (win.count, 1))),
-        # the sort key's offset in feature order: every src (key in [-1, 1]) before every dst
-        "dst_shift": _const(np.repeat([0.0, 4.0], [win.count * win.num_src, win.count * win.num_dst])[None, :],
-                            "float32"),
     }
 
 
@@ -1188,7 +1185,6 @@ def _match_feature_windows(metric: paddle.Tensor, win: "_Windows", partition: pa
     if _dtype_name(metric.dtype) != work:
         metric = metric.astype(work)
     num_src = win.count * win.num_src
-    t = win.tensors()
     src_pos, dst_pos = _window_positions(win, partition)
     ranked = paddle.concat([src_pos.reshape([-1]), dst_pos.reshape([-1])])  # [N]: every src, then every dst
     levels = feature_levels(win.count)
@@ -1200,7 +1196,7 @@ def _match_feature_windows(metric: paddle.Tensor, win: "_Windows", partition: pa
         order = paddle.argsort(F.pad(key, [0, spare, 0, 0]) if spare else key, axis=-1, stable=True)
         return order[:-1] if spare else order
 
-    order = sort(keys[0] + t["dst_shift"])  # [B, N]: src by the first key, then dst by it
+    order = sort(keys[0] + _cell_shift(win, 1))  # [B, N]: src by the first key, then dst by it
     cells = 1
     for level in range(1, len(levels)):  # within each cell of that order, by the next key
         cells *= levels[level - 1]
