@@ -147,11 +147,13 @@ def test_dense_plan_keeps_half_tokens_in_half_precision(half, agreement, order, 
         merged = plan.merge(x_half)
         out = plan.unmerge(merged)
     # every product over the tokens on half operands: similarity, merge and unmerge; feature order adds the mean
-    # token, the second moment and the keys. Its [B, C, C] moment is projected (3 products), squared 3 times and
-    # applied to the start axis in float32 (8th powers of values below 1 underflow float16)
+    # token, the second moment and the keys. Its [B, C, C] moment is projected (3 products), squared
+    # _MOMENT_SQUARINGS times and applied to the start axis in float32 (high powers of values below 1 underflow
+    # float16)
     tokens = {(f"paddle.{half}", f"paddle.{half}", False): 6 if order == "feature" else 3}
-    assert dict(operands) == ({**tokens, ("paddle.float32", "paddle.float32", True): 7} if order == "feature"
-                              else tokens)
+    small_products = 4 + merge_module._MOMENT_SQUARINGS
+    assert dict(operands) == ({**tokens, ("paddle.float32", "paddle.float32", True): small_products}
+                              if order == "feature" else tokens)
     assert merged.dtype == x_half.dtype and out.dtype == x_half.dtype
     reference = LocalMergePlan.from_matching(x_half.astype("float32"), (16, 16, 8, 8, 2, 2), table[0], 24, kind="gpu",
                                              order=order)
@@ -246,9 +248,30 @@ def test_principal_axes_recover_planted_directions_off_the_mean():
         assert (np.abs((axes[b] * vectors).sum(axis=1)) > 0.999).all()
 
 
+@pytest.mark.parametrize("channels, tokens", [(320, 4096), (1280, 16384)])
+def test_principal_axes_survive_a_flat_spectrum_at_wide_channels(channels, tokens):
+    # isotropic tokens: the top eigenvalue of the moment is a small fraction of its Frobenius norm (about C**-0.5),
+    # and its 16th power times an unscaled start vector would be a vector whose squared length underflows float32
+    # at 1280 channels (the axis would be cleared to 0); the axes must also capture nearly the top eigenvalues,
+    # which are close together here
+    rng = np.random.default_rng(7)
+    metric = rng.standard_normal((1, tokens, channels)).astype(np.float32)
+    unit = metric / np.linalg.norm(metric, axis=-1, keepdims=True)
+    along = unit.mean(axis=1, keepdims=True)
+    along /= np.linalg.norm(along, axis=-1, keepdims=True)
+    rnorm = 1.0 / np.linalg.norm(metric, axis=-1, keepdims=True)
+    axes = merge_module._principal_axes(*(paddle.to_tensor(a) for a in (metric, rnorm, along)), 3).numpy()[0]
+    np.testing.assert_allclose(axes @ axes.T, np.eye(3), atol=1e-4)
+    project = np.eye(channels) - along[0].T.astype(np.float64) @ along[0]
+    moment = project @ (unit[0].T.astype(np.float64) @ unit[0]) @ project
+    top = np.linalg.eigvalsh(moment)[::-1][:3]
+    captured = np.einsum("ac,cd,ad->a", axes, moment, axes)
+    assert (captured > 0.9 * top).all(), (captured / top)
+
+
 def test_feature_plan_operator_count_stays_within_budget():
-    # a plan in feature order pays one sort per level and a small eigen-problem per axis: measured 116 ops with two
-    # levels (4 windows) and 168 with four (16 windows), against 40 for a grid plan
+    # a plan in feature order pays one sort per level and a small eigen-problem per axis: measured 117 ops with two
+    # levels (4 windows) and 171 with four (16 windows), against 40 for a grid plan
     merge_module.clear_cache()
     for side, budget in ((32, 125), (64, 175)):
         x = paddle.randn([2, side * side, 32])
