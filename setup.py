@@ -14,7 +14,7 @@ long_description = open(readme, encoding="utf-8").read() if os.path.exists(readm
 
 setup(
     name="ppdiffusers_tome",
-    version="0.8.0",
+    version="0.8.1",
     description="Token Merging for Stable Diffusion (ToMe SD) for PaddlePaddle and ppdiffusers",
     long_description=long_description,
     long_description_content_type="text/markdown",
