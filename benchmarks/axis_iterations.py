@@ -1,9 +1,9 @@
 """How many power iterations feature order's axes need: ``local_plans.py`` with extra configurations that differ
 only in the squarings of the second moment (``merge._MOMENT_SQUARINGS``: 3 squarings = 8 power iterations, 4 = 16).
 
-Every configuration named ``local16f_sqK`` / ``local32f_sqK`` (``K`` from ``--squarings``) is ``local16f`` / ``local32f``
-planned with ``K`` squarings; all run side by side in one run of :mod:`local_plans` (same seeds, same rotating
-order), so their distances from vanilla compare paired, seed by seed. The remaining options are those of
+Every configuration named ``local16f_sqK`` / ``local32f_sqK`` (``K`` from ``--squarings``) is ``local16f`` /
+``local32f`` planned with ``K`` squarings; all run side by side in one run of :mod:`local_plans` (same seeds,
+same rotating order), so their distances from vanilla compare paired, seed by seed. The remaining options are those of
 ``local_plans.py``; ``--configs`` may name the extra configurations, e.g.
 
     bash run.sh python benchmarks/axis_iterations.py --squarings 3 4 --presets sd15-narrow --resolutions 768 \\
@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -33,8 +34,7 @@ def add_variants(squarings) -> None:
     """Register ``local16f_sqK`` and ``local32f_sqK`` in :data:`local_plans.CONFIGS` for each ``K``."""
     for k in squarings:
         for window in (16, 32):
-            local_plans.CONFIGS[f"local{window}f_sq{k}"] = {"match_window": window, "match_order": "feature",
-                                                          "_squarings": k}
+            local_plans.CONFIGS[f"local{window}f_sq{k}"] = {**local_plans.CONFIGS[f"local{window}f"], "_squarings": k}
 
 
 def apply(pipe, options, _apply=local_plans.apply) -> None:
@@ -51,7 +51,7 @@ def summary(result) -> str:
     for cell in result["cells"]:
         if "tome" not in cell["configs"]:
             continue
-        spread = local_plans.statistics.pstdev(cell["configs"]["tome"]["rel_l2"])
+        spread = statistics.pstdev(cell["configs"]["tome"]["rel_l2"])
         lines.append(f"{cell['preset']} at {cell['resolution']}px, {cell['seeds']} seeds, against tome "
                      f"(tome's seed-to-seed spread {spread:.5f}):")
         for name in cell["configs"]:

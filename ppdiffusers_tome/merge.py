@@ -1078,13 +1078,15 @@ def _start_axes(count: int, channels: int) -> paddle.Tensor:
     With the moment at Frobenius norm 1 its top eigenvalue lies in ``[C**-0.5, 1]``, so its ``2**k``-th power
     (``k`` squarings) shrinks the start vector by a factor in ``[C**-(2**(k-1)), 1]``; the start vectors are
     scaled by the middle of that range, ``C**(2**(k-2))``. For ``k = 4`` and ``C = 1280`` the length then stays
-    within about ``1e-13 .. 1e14`` and its square within float32; unscaled, the square of a flat spectrum's axis
-    underflows to 0. (Five squarings would span ``C**-8 .. C**8``, whose square no scale fits.)"""
-    return _CACHE.get(("start_axes", count, channels, _MOMENT_SQUARINGS), _build_start_axes, count, channels)
+    within about ``1e-13 .. 1e14`` and its square within float32; unscaled, the squares of a flat spectrum's axis
+    entries fall below float32's normal range and :func:`_unit_length` returns a vector of the wrong length (about
+    1.1 at 1280 channels). (Five squarings would span ``C**-8 .. C**8``, whose square no scale fits.)"""
+    return _CACHE.get(("start_axes", count, channels, _MOMENT_SQUARINGS), _build_start_axes, count, channels,
+                      _MOMENT_SQUARINGS)
 
 
-def _build_start_axes(count: int, channels: int) -> paddle.Tensor:
-    scale = float(channels) ** (2.0 ** (_MOMENT_SQUARINGS - 2))
+def _build_start_axes(count: int, channels: int, squarings: int) -> paddle.Tensor:
+    scale = float(channels) ** (2.0 ** (squarings - 2))
     return _const(scale * np.random.default_rng(channels).standard_normal((1, count, channels)), "float32")
 
 

@@ -251,9 +251,9 @@ def test_principal_axes_recover_planted_directions_off_the_mean():
 @pytest.mark.parametrize("channels, tokens", [(320, 4096), (1280, 16384)])
 def test_principal_axes_survive_a_flat_spectrum_at_wide_channels(channels, tokens):
     # isotropic tokens: the top eigenvalue of the moment is a small fraction of its Frobenius norm (about C**-0.5),
-    # and its 16th power times an unscaled start vector would be a vector whose squared length underflows float32
-    # at 1280 channels (the axis would be cleared to 0); the axes must also capture nearly the top eigenvalues,
-    # which are close together here
+    # and its 16th power times an unscaled start vector would be a vector whose squared entries fall below float32's
+    # normal range at 1280 channels (the axes came out about 1.1 long); the axes must also capture nearly the top
+    # eigenvalues, which are close together here
     rng = np.random.default_rng(7)
     metric = rng.standard_normal((1, tokens, channels)).astype(np.float32)
     unit = metric / np.linalg.norm(metric, axis=-1, keepdims=True)
