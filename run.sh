@@ -2,10 +2,9 @@
 # Set up a virtual environment with the pinned CPU set (one pip command), then run a command inside it, so that
 # every command works in a fresh shell without activating anything:
 #   bash run.sh demo [demo options]        # the main job: vanilla vs ToMe on the embedded model
-#   bash run.sh test [pytest options]      # the full test suite (tests/ and the package's doctests)
+#   bash run.sh test [pytest options]      # the full test suite (tests/ and the doctests of the package and research/)
 #   bash run.sh test [options] PATH...     # only those tests, e.g. bash run.sh test -x -q tests/test_api.py
 #   bash run.sh bench [bench options]      # python -m ppdiffusers_tome bench ...
-#   bash run.sh figure [figure options]    # python -m ppdiffusers_tome figure ...
 #   bash run.sh python [args]              # the environment's python, e.g. bash run.sh python examples/controlnet.py
 #   bash run.sh --version                  # the package's version
 # PYTHON selects the interpreter that creates the environment (default python3); VENV the environment folder
@@ -13,14 +12,14 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 usage() {
-  echo "usage: bash run.sh demo|bench|figure [options]   bash run.sh test [pytest options] [PATH...]"
+  echo "usage: bash run.sh demo|bench [options]   bash run.sh test [pytest options] [PATH...]"
   echo "       bash run.sh python [args]   bash run.sh --version   bash run.sh --help"
-  echo "test: without PATHs, the whole suite (tests/ and the doctests of ppdiffusers_tome); with PATHs (files,"
+  echo "test: without PATHs, the whole suite (tests/ and the doctests of ppdiffusers_tome and research/); with PATHs (files,"
   echo "      folders or node ids, relative to the repository), only those. Options alone keep the whole suite."
   echo "environment: PYTHON (interpreter that creates the environment; default python3), VENV (its folder; default .venv)"
 }
 case "${1:-}" in
-  demo|bench|figure|test|python|--version) ;;
+  demo|bench|test|python|--version) ;;
   -h|--help) usage; exit 0 ;;
   *) usage >&2; exit 2 ;;
 esac
@@ -54,12 +53,12 @@ fi
 what="$1"
 shift
 case "$what" in
-  demo|bench|figure) exec "$venv/bin/python" -m ppdiffusers_tome "$what" "$@" ;;
+  demo|bench) exec "$venv/bin/python" -m ppdiffusers_tome "$what" "$@" ;;
   --version) exec "$venv/bin/python" -m ppdiffusers_tome --version ;;
   test)
     # Paths among the arguments replace the default selection; an option's value (-k EXPR, --ignore PATH, ...)
     # is not a path even if a file of that name exists.
-    selection=(tests --doctest-modules ppdiffusers_tome)
+    selection=(tests --doctest-modules ppdiffusers_tome research)
     previous=""
     for arg in "$@"; do
       case "$previous" in

@@ -1,5 +1,5 @@
 """How many power iterations feature order's axes need: ``local_plans.py`` with extra configurations that differ
-only in the squarings of the second moment (``merge._MOMENT_SQUARINGS``: 3 squarings = 8 power iterations, 4 = 16).
+only in the squarings of the second moment (a planner's ``squarings``: 3 squarings = 8 power iterations, 4 = 16).
 
 Every configuration named ``local16f_sqK`` / ``local32f_sqK`` (``K`` from ``--squarings``) is ``local16f`` /
 ``local32f`` planned with ``K`` squarings; all run side by side in one run of :mod:`local_plans` (same seeds,
@@ -21,28 +21,18 @@ import json
 import os
 import statistics
 import sys
+from typing import Any, Dict
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import local_plans  # noqa: E402
 
-merge_module = local_plans.merge_module
-DEFAULT_SQUARINGS = merge_module._MOMENT_SQUARINGS
 
-
-def add_variants(squarings) -> None:
-    """Register ``local16f_sqK`` and ``local32f_sqK`` in :data:`local_plans.CONFIGS` for each ``K``."""
-    for k in squarings:
-        for window in (16, 32):
-            local_plans.CONFIGS[f"local{window}f_sq{k}"] = {**local_plans.CONFIGS[f"local{window}f"], "_squarings": k}
-
-
-def apply(pipe, options, _apply=local_plans.apply) -> None:
-    """:func:`local_plans.apply` with the squarings the configuration names (the package's own for the others)."""
-    options = None if options is None else dict(options)
-    squarings = DEFAULT_SQUARINGS if options is None else options.pop("_squarings", DEFAULT_SQUARINGS)
-    merge_module._MOMENT_SQUARINGS = squarings
-    _apply(pipe, options)
+def variants(squarings) -> Dict[str, Dict[str, Any]]:
+    """``local16f_sqK`` and ``local32f_sqK`` for each ``K``: :data:`local_plans.CONFIGS`' ``local16f`` /
+    ``local32f`` with ``_squarings`` (which :func:`local_plans.apply` sets on the UNet's planner)."""
+    return {f"local{window}f_sq{k}": {**local_plans.CONFIGS[f"local{window}f"], "_squarings": k}
+            for k in squarings for window in (16, 32)}
 
 
 def summary(result) -> str:
@@ -71,14 +61,7 @@ def main(argv=None) -> None:
     args, rest = parser.parse_known_args(argv)
     if any(k < 1 or k > 4 for k in args.squarings):
         parser.error("--squarings: each value must be in 1..4 (a fifth squaring underflows float32)")
-    add_variants(args.squarings)
-    original = local_plans.apply
-    local_plans.apply = apply
-    try:
-        local_plans.main(rest + ["--output", args.output])
-    finally:
-        local_plans.apply = original
-        merge_module._MOMENT_SQUARINGS = DEFAULT_SQUARINGS
+    local_plans.main(rest + ["--output", args.output], extra_configs=variants(args.squarings))
     if "--render" in rest:
         return
     with open(os.path.join(args.output, "results.json"), encoding="utf-8") as f:

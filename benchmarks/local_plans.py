@@ -27,7 +27,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import numpy as np
 import paddle
@@ -36,10 +36,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import ppdiffusers_tome  # noqa: E402
 import ppdiffusers_tome.merge as merge_module  # noqa: E402
-from ppdiffusers_tome.measure import (  # noqa: E402
+from ppdiffusers_tome.tools.measure import (  # noqa: E402
     count_forward_ops, environment, median, ops_added_per_block, psnr, relative_l2, render_table, set_threads,
 )
 from ppdiffusers_tome.presets import preset_pipeline  # noqa: E402
+from ppdiffusers_tome.patch import get_patch  # noqa: E402
+from ppdiffusers_tome.testing import gpu_kernels  # noqa: E402
 
 CONFIGS: Dict[str, Any] = {
     "vanilla": None,
@@ -67,9 +69,15 @@ def unet_inputs(unet, resolution: int, vae_scale: int, seed: int):
 
 
 def apply(pipe, options) -> None:
+    """Put ``options`` on the UNet at ratio 0.5 (``None``: vanilla). The key ``_squarings``, not an option of
+    ``apply_tome``, sets the feature-order power iterations of the UNet's planner (``benchmarks/axis_iterations.py``)."""
     ppdiffusers_tome.remove_tome(pipe.unet)
     if options is not None:
+        options = dict(options)
+        squarings = options.pop("_squarings", None)
         ppdiffusers_tome.apply_tome(pipe.unet, ratio=0.5, **options)
+        if squarings is not None:
+            get_patch(pipe.unet).planner.squarings = squarings
 
 
 def decoded_x0(pipe, sample, eps) -> np.ndarray:
@@ -126,8 +134,7 @@ def count_gpu_ops(pipe, vae_scale: int, configs: Dict[str, Any], latent: int = 3
     and per call. The count does not depend on the size, except for ``match_order="feature"``, whose plan sorts once
     per level of its cut, and the levels follow the window count: :func:`main` counts those at each cell's own
     size."""
-    merge_module.DEVICE_OVERRIDE = "gpu"
-    try:
+    with gpu_kernels():
         sample, timestep, context = unet_inputs(pipe.unet, latent * vae_scale, vae_scale, 0)
 
         def run():
@@ -147,8 +154,6 @@ def count_gpu_ops(pipe, vae_scale: int, configs: Dict[str, Any], latent: int = 3
                             "per_block": ops_added_per_block(vanilla.total, patched.total, patched.merging_blocks)}
         apply(pipe, None)
         return counts
-    finally:
-        merge_module.DEVICE_OVERRIDE = None
 
 
 def feature_ops_at(pipe, vae_scale: int, configs: Dict[str, Any], resolution: int,
@@ -180,8 +185,7 @@ def plan_peaks(tokens: int, channels: int) -> Dict[str, float]:
         "todo": lambda: merge_module.DownsamplePlan(tokens, 2, side, side, 2),
     }
     peaks = {}
-    merge_module.DEVICE_OVERRIDE = "gpu"
-    try:
+    with gpu_kernels():
         for name, build in runs.items():
             def once():
                 plan = build()
@@ -193,8 +197,6 @@ def plan_peaks(tokens: int, channels: int) -> Dict[str, float]:
             core.host_memory_stat_reset_peak_value("Allocated", 0)
             once()
             peaks[name] = (core.host_memory_stat_peak_value("Allocated", 0) - before) / 2**20
-    finally:
-        merge_module.DEVICE_OVERRIDE = None
     return peaks
 
 
@@ -207,7 +209,9 @@ def peak_of(name: str) -> Any:
     return "global" if plan == "tome" else plan
 
 
-def main(argv=None) -> None:
+def main(argv=None, extra_configs: Optional[Dict[str, Any]] = None) -> None:
+    """Run the comparison; ``extra_configs`` adds configurations to :data:`CONFIGS` for this run."""
+    known = {**CONFIGS, **(extra_configs or {})}
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--presets", nargs="+", default=["sd15-narrow"])
     parser.add_argument("--resolutions", type=int, nargs="+", default=[512])
@@ -218,13 +222,13 @@ def main(argv=None) -> None:
                         help="measure nothing: merge these results.json files, print the README tables (with the "
                              "distance of each configuration next to tome's in the same seeds; † = further from vanilla "
                              "than tome by more than tome's seed spread) and draw one Pareto plot into --output")
-    parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=DEFAULT_CONFIGS,
+    parser.add_argument("--configs", nargs="+", choices=list(known), default=DEFAULT_CONFIGS,
                         help=f"configurations to compare (default: {' '.join(DEFAULT_CONFIGS)}); vanilla is always one")
     args = parser.parse_args(argv)
     if args.render:
         render(args.render, args.output)
         return
-    configs = {name: CONFIGS[name] for name in ["vanilla"] + [c for c in args.configs if c != "vanilla"]}
+    configs = {name: known[name] for name in ["vanilla"] + [c for c in args.configs if c != "vanilla"]}
     threads = set_threads(args.threads)
     os.makedirs(args.output, exist_ok=True)
     result = {"environment": environment(threads, "float32"), "version": ppdiffusers_tome.__version__,

@@ -2,9 +2,9 @@
 
 On a GPU in eager mode every operator is a kernel launch of roughly 5-17 us of host time, about what merging saves
 per block at 512 px, so this count (not CPU seconds) is what decides whether merging can pay there. Counted with
-``paddle.profiler`` (see :func:`ppdiffusers_tome.measure.count_forward_ops`) on the tiny SD-layout UNet, batch 2,
+``paddle.profiler`` (see :func:`ppdiffusers_tome.tools.measure.count_forward_ops`) on the tiny SD-layout UNet, batch 2,
 32 x 32 latent (1024 tokens at the merging level, three merging blocks), for our GPU branch (forced on the CPU with
-``merge.DEVICE_OVERRIDE``) and CPU branch, and for ppdiffusers' built-in port. Counts do not depend on the latent
+``force_kernels``) and CPU branch, and for ppdiffusers' built-in port. Counts do not depend on the latent
 size. Prints a table and writes JSON; takes about a minute.
 
     bash run.sh python benchmarks/ops_per_block.py --output outputs/ops_per_block.json
@@ -23,8 +23,8 @@ import paddle
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import ppdiffusers_tome  # noqa: E402
-import ppdiffusers_tome.merge as merge_module  # noqa: E402
-from ppdiffusers_tome.measure import count_forward_ops, ops_added_per_block  # noqa: E402
+from ppdiffusers_tome.ops.runtime import force_kernels  # noqa: E402
+from ppdiffusers_tome.tools.measure import count_forward_ops, ops_added_per_block  # noqa: E402
 from ppdiffusers_tome.testing import tiny_unet  # noqa: E402
 
 CONFIGS = [
@@ -64,15 +64,14 @@ def main(argv=None):
     vanilla = count_forward_ops(run, unet).total
     rows = []
     for kind in ("gpu", "cpu"):
-        merge_module.DEVICE_OVERRIDE = kind
-        for name, options in CONFIGS:
-            ppdiffusers_tome.apply_tome(unet, ratio=0.5, **options)
-            counted = count_forward_ops(run, unet)
-            ppdiffusers_tome.remove_tome(unet)
-            per_block = ops_added_per_block(vanilla, counted.total, counted.merging_blocks)
-            rows.append({"kernels": kind, "config": name, "ops_per_block": round(per_block, 1),
-                         "merging_blocks": counted.merging_blocks})
-    merge_module.DEVICE_OVERRIDE = None
+        with force_kernels(kind):
+            for name, options in CONFIGS:
+                ppdiffusers_tome.apply_tome(unet, ratio=0.5, **options)
+                counted = count_forward_ops(run, unet)
+                ppdiffusers_tome.remove_tome(unet)
+                per_block = ops_added_per_block(vanilla, counted.total, counted.merging_blocks)
+                rows.append({"kernels": kind, "config": name, "ops_per_block": round(per_block, 1),
+                             "merging_blocks": counted.merging_blocks})
     # ppdiffusers' port is the ``apply_tome`` it attaches to every ``paddle.nn.Layer`` (this package's own methods
     # sit on the model classes)
     paddle.nn.Layer.apply_tome(unet, ratio=0.5, max_downsample=1)

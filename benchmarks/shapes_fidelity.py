@@ -37,11 +37,12 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import ppdiffusers_tome  # noqa: E402,F401  (registers apply_tome; quiets Paddle's import)
-from ppdiffusers_tome.bench.methods import Method, configure  # noqa: E402
-from ppdiffusers_tome.measure import environment, psnr, render_table, set_threads  # noqa: E402
-from ppdiffusers_tome.shapes import classifier as shapes_classifier  # noqa: E402
-from ppdiffusers_tome.shapes import shipped  # noqa: E402
-from ppdiffusers_tome.shapes.classifier import HEADS  # noqa: E402
+from ppdiffusers_tome.tools.bench.methods import Method, configure  # noqa: E402
+from ppdiffusers_tome.tools.measure import environment, psnr, render_table, set_threads  # noqa: E402
+from research.shapes import classifier as shapes_classifier  # noqa: E402
+from ppdiffusers_tome.tools import shapes as shipped  # noqa: E402
+from research.shapes import scoring
+from research.shapes.classifier import HEADS  # noqa: E402
 
 CONFIGS: Dict[str, Method] = {
     "vanilla": Method("vanilla"),
@@ -127,7 +128,7 @@ def fidelity_grid(images: Dict[str, np.ndarray], prompts: Sequence[str]):
     """One labelled row per prompt (caption above it), one column per configuration."""
     from PIL import Image, ImageDraw
 
-    from ppdiffusers_tome.figure import _font, side_by_side
+    from ppdiffusers_tome.tools.images import label_font as _font, side_by_side
 
     rows = []
     for k, prompt in enumerate(prompts):
@@ -149,13 +150,13 @@ def fidelity_grid(images: Dict[str, np.ndarray], prompts: Sequence[str]):
 def run(args: argparse.Namespace) -> Dict[str, Any]:
     threads = set_threads(args.threads)
     pipe = shipped.load_pipeline()
-    model = shipped.load_classifier()
-    prompts, labels, real_of_prompts = shipped.held_out_prompts(args.prompts)
-    targets = shipped.label_targets(labels)
+    model = scoring.load_trained_classifier()
+    prompts, labels, real_of_prompts = scoring.held_out_prompts(args.prompts)
+    targets = scoring.label_targets(labels)
     # the reference set: later held-out images, disjoint from the prompts' own
-    _, _, pool = shipped.held_out_prompts(args.prompts + args.reference)
+    _, _, pool = scoring.held_out_prompts(args.prompts + args.reference)
     reference = pool[args.prompts:]
-    real_sets = [shipped.held_out_prompts(args.prompts, seed=shipped.HELD_OUT_SEED + 1 + s)[2] for s in range(args.seeds)]
+    real_sets = [scoring.held_out_prompts(args.prompts, seed=scoring.HELD_OUT_SEED + 1 + s)[2] for s in range(args.seeds)]
     real = {"accuracy": shapes_classifier.accuracy(model, real_of_prompts, targets)}
     real["accuracy_mean"] = {"mean": float(np.mean([real["accuracy"][h] for h in HEADS])), "sd": 0.0}
     for head in HEADS:

@@ -9,7 +9,7 @@ import argparse
 import logging
 import os
 
-from ppdiffusers_tome import bench
+from ppdiffusers_tome.tools import bench
 from ppdiffusers_tome.presets import available_presets, load_local_pipeline, preset_pipeline
 from ppdiffusers_tome.quiet import configure_logging
 

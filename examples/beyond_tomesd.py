@@ -15,8 +15,8 @@ import ppdiffusers_tome  # noqa: F401  (imported first: it keeps the import-time
 import numpy as np
 import paddle
 
-from ppdiffusers_tome.figure import side_by_side
-from ppdiffusers_tome.measure import psnr
+from ppdiffusers_tome.tools.images import side_by_side
+from ppdiffusers_tome.tools.measure import psnr
 from ppdiffusers_tome.presets import load_local_pipeline, preset_pipeline
 from ppdiffusers_tome.quiet import configure_logging
 

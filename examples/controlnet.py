@@ -14,7 +14,7 @@ import numpy as np
 import paddle
 from PIL import Image
 
-from ppdiffusers_tome.figure import side_by_side
+from ppdiffusers_tome.tools.images import side_by_side
 from ppdiffusers_tome.presets import load_local_pipeline, preset_pipeline
 from ppdiffusers_tome.quiet import configure_logging
 

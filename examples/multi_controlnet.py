@@ -13,7 +13,7 @@ import numpy as np
 import paddle
 from PIL import Image
 
-from ppdiffusers_tome.figure import side_by_side
+from ppdiffusers_tome.tools.images import side_by_side
 from ppdiffusers_tome.patch import get_patch
 from ppdiffusers_tome.quiet import configure_logging
 from ppdiffusers_tome.testing import tiny_controlnet_pipeline

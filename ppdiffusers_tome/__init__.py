@@ -11,7 +11,7 @@ import os as _os
 import sys as _sys
 from typing import Any as _Any, List as _List, Optional as _Optional, Sequence as _Sequence
 
-__version__ = "0.8.1"
+__version__ = "0.9.0"
 
 
 def _cli_args(
@@ -41,8 +41,9 @@ def _cli_help_only(argv: _Optional[_Sequence[str]] = None, orig_argv: _Optional[
 _LAZY = {
     "apply_tome": "api", "install_methods": "api", "remove_tome": "api", "reset_tome": "api", "tome_config": "api",
     "tome_status": "api", "tome_stats": "api", "uninstall_methods": "api", "ToMeConfig": "config",
-    "DownsamplePlan": "merge", "MergePlan": "merge", "bipartite_soft_matching_random2d": "merge",
-    "cache_info": "merge", "clear_cache": "merge", "downsample_tokens": "merge",
+    "DownsamplePlan": "ops.downsample", "MergePlan": "ops.global_plan",
+    "bipartite_soft_matching_random2d": "ops.global_plan", "cache_info": "ops.cache", "clear_cache": "ops.cache",
+    "downsample_tokens": "ops.downsample",
 }
 
 
@@ -78,14 +79,9 @@ if not _cli_help_only():
         uninstall_methods,
     )
     from .config import ToMeConfig
-    from .merge import (
-        DownsamplePlan,
-        MergePlan,
-        bipartite_soft_matching_random2d,
-        cache_info,
-        clear_cache,
-        downsample_tokens,
-    )
+    from .ops.cache import cache_info, clear_cache
+    from .ops.downsample import DownsamplePlan, downsample_tokens
+    from .ops.global_plan import MergePlan, bipartite_soft_matching_random2d
 
     _quiet_import.__exit__(None, None, None)
 

@@ -1,7 +1,7 @@
-"""``python -m ppdiffusers_tome demo ...``: see :mod:`ppdiffusers_tome.cli`."""
+"""``python -m ppdiffusers_tome demo|bench ...``: see :mod:`ppdiffusers_tome.tools.cli`."""
 
 import sys
 
-from .cli import main
+from .tools.cli import main
 
 sys.exit(main())

@@ -257,8 +257,13 @@ def apply_tome(
         0.5
         >>> pipe = ppdiffusers_tome.remove_tome(pipe)
     """
-    settings = {name: value for name, value in locals().items() if name != "obj"}  # the parameters, nothing else yet
-    config = ToMeConfig(**settings)  # (the explicit signature above is what help() and IDEs show)
+    config = ToMeConfig(
+        ratio=ratio, max_downsample=max_downsample, sx=sx, sy=sy, use_rand=use_rand, merge_attn=merge_attn,
+        merge_crossattn=merge_crossattn, merge_mlp=merge_mlp, seed=seed, method=method,
+        downsample_factor=downsample_factor, downsample_mode=downsample_mode, recompute_every=recompute_every,
+        match_window=match_window, match_order=match_order, share_plan=share_plan, min_tokens=min_tokens,
+        deterministic=deterministic,
+    )
     targets = _targets(obj, for_apply=True)
     _warn_if_half_on_cpu(targets)
     with PATCH_LOCK:  # atomic: threads applying and removing at once leave one patch per model, or none

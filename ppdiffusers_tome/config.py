@@ -1,6 +1,6 @@
 """The validated, immutable settings of one ToMe patch (what to merge, where, and how much).
 
-Runtime state (the image size of the current call, the RNG key) lives in :class:`ppdiffusers_tome.patch.ToMeState`,
+Runtime state (the image size of the current call, the RNG key) lives in :class:`ppdiffusers_tome.state.ToMeState`,
 never here.
 """
 
@@ -12,7 +12,8 @@ from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from .merge import DOWNSAMPLE_MODES, max_ratio
+from .ops.downsample import DOWNSAMPLE_MODES
+from .ops.partition import max_ratio
 
 __all__ = [
     "ToMeConfig",

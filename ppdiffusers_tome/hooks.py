@@ -1,8 +1,8 @@
 """Forward hooks that carry ToMe into a model's blocks: registration that survives copies and static-graph
 tracing, and the per-block and per-sub-layer hooks themselves.
 
-A :class:`BlockHooks` asks its :class:`~ppdiffusers_tome.patch.ModelPatch` for the block's plan when the block
-starts and hands it to the state; a :class:`SublayerHooks` merges the input of ``attn1`` (``attn2``/``ff``) with that
+A :class:`BlockHooks` asks its patch's :class:`~ppdiffusers_tome.planner.Planner` for the block's plan when the
+block starts and hands it to the state; a :class:`SublayerHooks` merges the input of ``attn1`` (``attn2``/``ff``) with that
 plan and unmerges the output. Every piece of per-call data is written through
 :class:`~ppdiffusers_tome.state.ToMeState`'s methods.
 """
@@ -13,7 +13,7 @@ from typing import Any, Dict, Tuple
 
 import paddle
 
-from .merge import DownsamplePlan
+from .ops.downsample import DownsamplePlan
 
 __all__ = ["BlockHooks", "HookCall", "HookRecord", "SublayerHooks", "TENSOR_TYPES"]
 
@@ -130,7 +130,7 @@ class BlockHooks:
         if patch.state.latent_hw is None:  # no call in flight: a checkpointed block recomputed during backward
             plan = patch.replayed_plan(self.index, hidden)
         else:
-            plan = patch.plan_for(self.index, hidden)
+            plan = patch.planner.plan_for(self.index, hidden)
             if plan is not None and patch.keeps_plans:
                 patch.keep_for_recompute(self.index, hidden, plan)
         if plan is not None:

@@ -4,15 +4,11 @@ No block's ``forward`` is copied or replaced. One :class:`ModelPatch` per patche
 registers (see :mod:`ppdiffusers_tome.hooks`):
 
 * a pre-hook on the model that starts the record of the call (latent size, timestep) in :class:`ToMeState`;
-* a pre-hook on every ``BasicTransformerBlock`` that plans the merge from the block's input (the same metric as
-  tomesd) when the block's level qualifies;
+* a pre-hook on every ``BasicTransformerBlock`` that asks the patch's :class:`~ppdiffusers_tome.planner.Planner`
+  for the block's plan, made from the block's input (the same metric as tomesd);
 * a pre-hook/post-hook pair on ``attn1`` (and ``attn2``/``ff`` when enabled) that merges the sub-layer's input and
   unmerges its output, so the block's residual add sees full-size tensors, exactly where tomesd puts them.
   With ``method="todo"`` only ``attn1`` gets a pre-hook, which passes the downsampled tokens as its keys/values.
-
-The token grid of a block comes from the latent size for UNets and ControlNets (``ceil(H/d) x ceil(W/d)`` at
-downsampling ``d``) and from the patch embedding for transformer-only models (``H/p x W/p`` for DiT and PixArt-alpha
-``Transformer2DModel`` with patch size ``p``, whose blocks all count as level 1).
 
 What one model remembers between calls lives in :class:`~ppdiffusers_tome.state.ToMeState`. The patch sets no
 attribute on the model and removing it removes exactly those hooks, so the model's objects, parameters and state
@@ -28,7 +24,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import math
 import threading
 import warnings
 import weakref
@@ -37,27 +32,18 @@ from typing import Any, List, Optional, Tuple
 import paddle
 from ppdiffusers.models.attention import BasicTransformerBlock
 
-from .config import ToMeConfig, check_ratio, ratio_at, tokens_to_merge
-from .hooks import TENSOR_TYPES, BlockHooks, HookCall, HookRecord, SublayerHooks
-from .merge import (
-    DownsamplePlan,
-    LocalMergePlan,
-    MergePlan,
-    bipartite_soft_matching_random2d,
-    converting,
-    find_downsample,
-    window_sides,
-)
+from .config import ToMeConfig
+from .hooks import BlockHooks, HookCall, HookRecord, SublayerHooks
+from .planner import Planner
 from .state import ToMeState, ToMeStaticGraphError
 
 logger = logging.getLogger(__name__)
 
-PATCH_ATTR = "_ppdiffusers_tome_patch"  # (set by versions up to 0.4.0; removed with the patch when found)
 BLOCK_TYPES: Tuple[type, ...] = (BasicTransformerBlock,)
 PATCH_LOCK = threading.RLock()  # held across every check, install and removal of a patch, on any model
 
 __all__ = [
-    "ModelPatch", "ToMeState", "ToMeStaticGraphError", "PATCH_ATTR", "PATCH_LOCK", "find_blocks", "get_patch",
+    "ModelPatch", "ToMeState", "ToMeStaticGraphError", "PATCH_LOCK", "find_blocks", "get_patch",
 ]
 
 
@@ -99,35 +85,6 @@ class _ReplayPlans(dict):
         return _ReplayPlans()
 
 
-def _finest_block_level(model: Any, blocks: List[Tuple[str, Any]]) -> Optional[int]:
-    """The smallest downsampling factor at which any of ``blocks`` runs, read from the model's structure (a UNet's
-    or ControlNet's ``down_blocks``/``mid_block``/``up_blocks`` and their down/upsamplers), over the whole model:
-    for a UNet whose 1x transformer blocks are only in the up path it is 1 although the down path reaches its
-    first transformer block at 2x. None when the structure is not of that kind (then the finest level seen so far
-    in the call decides)."""
-    downs = getattr(model, "down_blocks", None)
-    if not isinstance(downs, paddle.nn.LayerList):
-        return None
-    level, levels = 1, {}
-    for i, block in enumerate(downs):
-        levels[f"down_blocks.{i}."] = level
-        if getattr(block, "downsamplers", None):
-            level *= 2
-    levels["mid_block."] = level
-    ups = getattr(model, "up_blocks", None)
-    for i, block in enumerate(ups if isinstance(ups, paddle.nn.LayerList) else []):
-        levels[f"up_blocks.{i}."] = level
-        if getattr(block, "upsamplers", None):
-            level = max(level // 2, 1)
-    found = []
-    for name, _ in blocks:
-        matches = [value for prefix, value in levels.items() if name.startswith(prefix)]
-        if not matches:
-            return None  # a transformer block outside the known structure: decide at run time
-        found.append(matches[0])
-    return min(found) if found else None
-
-
 class ModelPatch:
     """ToMe installed on one model (a UNet or one ControlNet). Create with :meth:`install`, undo with :meth:`remove`.
 
@@ -140,33 +97,24 @@ class ModelPatch:
         >>> patch.remove()
     """
 
+    planner_type = Planner  # what decides and builds each block's plan (a subclass may swap it)
+
     def __init__(self, model: paddle.nn.Layer, config: ToMeConfig, train_timesteps: int = 1000,
-                 num_blocks: Optional[int] = None):
+                 blocks: Optional[List[Tuple[str, paddle.nn.Layer]]] = None):
         self.model = model
         self.config = config
         self.train_timesteps = int(train_timesteps)
-        if num_blocks is None:
-            num_blocks = len(find_blocks(model))
-        self.state = ToMeState(config, train_timesteps, num_blocks=num_blocks)
+        if blocks is None:
+            blocks = find_blocks(model)
+        self.state = ToMeState(config, train_timesteps, num_blocks=len(blocks))
+        self.planner = self.planner_type(config, self.state, model, blocks)
         self.blocks: List[BlockHooks] = []
         self._hooks: List[HookRecord] = []
         self.installed = False  # True from install to remove
-        self.auto_level = config.max_downsample == "auto"
-        self.auto_finest: Optional[int] = None  # with "auto": the finest block level of the model, when known
-        self.todo = config.method == "todo"
-        self.fixed_ratio = None if config.is_scheduled else config.ratio
-        self.caches = config.caches_plans  # (Paddle's SOT tracer cannot call dataclass properties)
-        self.share_level = config.share_plan == "level"
-        # with every sub-layer switched off nothing would run on merged tokens: then nothing is planned either
-        self.merges_something = self.todo or config.merge_attn or config.merge_crossattn or config.merge_mlp
-        self.grid_without_cells: Optional[Tuple[int, int]] = None  # a grid too small for one sy x sx cell
         # gradient checkpointing: the plan of every checkpointed block call, for its recomputation in backward
         self._checkpoint_owners: List[Any] = []  # block index -> the layer whose gradient_checkpointing covers it
         self._replay = _ReplayPlans()  # (block index, id(input)) -> (weak reference to the input, plan, call number)
         self.keeps_plans = False  # whether any block sits in a layer that can checkpoint it
-        # transformer-only models (DiT, PixArt-alpha): the token grid is the patch grid
-        patch_size = getattr(model, "patch_size", None) if getattr(model, "is_input_patches", False) else None
-        self.patch_size: Optional[int] = int(patch_size) if patch_size else None
         self.timestep_arg = _positional_index(model, "timestep", default=1)
 
     @classmethod
@@ -180,14 +128,14 @@ class ModelPatch:
             previous = get_patch(model)
             if previous is not None:  # never leave a patch's hooks behind unreachable
                 previous.remove()
-            patch = cls(model, config, train_timesteps, num_blocks=len(blocks))
+            patch = cls(model, config, train_timesteps, blocks)
             try:
                 patch._register(blocks)
             except BaseException:
                 patch._remove_hooks()
                 raise
             patch.installed = True
-            if not patch.merges_something:
+            if not patch.planner.merges_something:
                 warnings.warn(
                     f"ToMe will change nothing in {type(model).__name__}: merge_attn, merge_crossattn and merge_mlp are "
                     "all False, so no sub-layer runs on merged tokens (and no merge is planned). Enable one of them "
@@ -198,8 +146,6 @@ class ModelPatch:
         return patch
 
     def _register(self, blocks) -> None:
-        if self.auto_level and self.patch_size is None:
-            self.auto_finest = _finest_block_level(self.model, blocks)
         layers = dict(self.model.named_sublayers(include_self=True))
         self._checkpoint_owners = [layers.get(name.rsplit(".transformer_blocks.", 1)[0]) if ".transformer_blocks." in
                                    name else None for name, _ in blocks]
@@ -207,8 +153,9 @@ class ModelPatch:
         add = self._hooks.append
         add(HookRecord(self.model, "pre", self, "_before_model"))
         add(HookRecord(self.model, "post", self, "_after_model"))
+        todo = self.planner.todo
         selected = [
-            ("attn1", self.config.merge_attn or self.todo, True),
+            ("attn1", self.config.merge_attn or todo, True),
             ("attn2", self.config.merge_crossattn, False),
             ("ff", self.config.merge_mlp, False),
         ]
@@ -222,7 +169,7 @@ class ModelPatch:
                 if enabled and isinstance(sublayer, paddle.nn.Layer):
                     sub = SublayerHooks(hooks, name, self_attention)
                     add(HookRecord(sublayer, "pre", sub, "before"))
-                    if not self.todo:  # ToDo leaves the output as it is
+                    if not todo:  # ToDo leaves the output as it is
                         add(HookRecord(sublayer, "post", sub, "after"))
 
     def _remove_hooks(self) -> None:
@@ -260,7 +207,7 @@ class ModelPatch:
         (used to roll back an ``apply_tome`` that failed half-way). Removing a patch that is already removed does
         nothing."""
         with PATCH_LOCK:
-            if not getattr(self, "installed", True):  # (a patch pickled by 0.4.0 has no flag: it is installed)
+            if not self.installed:
                 return
             if not force:
                 self.check_idle()
@@ -268,8 +215,6 @@ class ModelPatch:
             self.state.forget_calls_in_flight()  # what is left belongs to calls that never reached their end
             self.blocks = []
             self.installed = False
-            if self.model.__dict__.get(PATCH_ATTR) is self:
-                del self.model.__dict__[PATCH_ATTR]
 
     # hooks ---------------------------------------------------------------------------------------------------
     def _before_model(self, layer, args, kwargs):
@@ -279,83 +224,49 @@ class ModelPatch:
         return None
 
     def _after_model(self, layer, args, kwargs, output):
-        state, config = self.state, self.config
         completed = output is not None  # None when the forward raised (Paddle runs this hook anyway)
-        ended = state.end_call(completed)  # (the record of this call: a nested call's caller may still be running)
-        warn = self.blocks and self.merges_something and ended is not None  # (nothing by configuration: said at apply)
-        if completed and warn and ended.merged_blocks == 0 and self.fixed_ratio != 0 and not state.warned_no_merge:
-            level, name = ended.finest_level, "ToDo" if self.todo else "ToMe"
-            message = None
-            if level is None:
-                message = (
-                    f"{name} changed nothing in {type(self.model).__name__}: no transformer block's tokens form the "
-                    f"{'patch' if self.patch_size else 'latent'} grid of the input (a layout this package does "
-                    "not know, such as video frames folded into the tokens)."
-                )
-            elif self.grid_without_cells is not None and (self.auto_level or level <= config.max_downsample):
-                grid_h, grid_w = self.grid_without_cells
-                message = (
-                    f"ToMe merged no tokens in {type(self.model).__name__}: its {grid_h}x{grid_w} token grid holds no "
-                    f"sy x sx = {config.sy}x{config.sx} cell, so there is no dst token to merge into (nothing was "
-                    "planned). Use smaller sx and sy (2 is the paper's setting) for latents this small."
-                )
-            elif not self.auto_level and level > config.max_downsample:
-                message = (
-                    f"{name} merged no tokens in {type(self.model).__name__}: its highest-resolution transformer "
-                    f"blocks run at {level}x downsampling, above max_downsample={config.max_downsample}. "
-                    f"Use max_downsample={level} (or 'auto') to merge there."
-                )
-            if message is not None:
-                state.warned_no_merge = True
-                warnings.warn(message, UserWarning, stacklevel=2)
+        ended = self.state.end_call(completed)  # (this call's record: a nested call's caller may still be running)
+        if completed and ended is not None:
+            self._warn_if_nothing_merged(ended)
         return None
 
-    def token_grid(self, num_tokens: int) -> Optional[Tuple[int, int, int]]:
-        """``(level, grid_h, grid_w)`` of a block with ``num_tokens`` tokens in the call in flight, or None."""
-        latent_h, latent_w = self.state.latent_hw
-        if self.patch_size is not None:  # every block of a patch transformer runs on the patch grid
-            grid_h, grid_w = latent_h // self.patch_size, latent_w // self.patch_size
-            return (1, grid_h, grid_w) if grid_h * grid_w == num_tokens else None
-        level = find_downsample(latent_h, latent_w, num_tokens)
+    def _warn_if_nothing_merged(self, ended: Any) -> None:
+        """Warn once when a completed call merged nothing although the settings ask for merging, naming why."""
+        state, config, planner = self.state, self.config, self.planner
+        # (nothing to merge by configuration was said at apply; a ratio of 0 merges nothing on purpose)
+        if not (self.blocks and planner.merges_something) or ended.merged_blocks or planner.fixed_ratio == 0:
+            return
+        if state.warned_no_merge:
+            return
+        level, name, model = ended.finest_level, "ToDo" if planner.todo else "ToMe", type(self.model).__name__
+        message = None
         if level is None:
-            return None
-        return level, math.ceil(latent_h / level), math.ceil(latent_w / level)
+            message = (
+                f"{name} changed nothing in {model}: no transformer block's tokens form the "
+                f"{'patch' if planner.patch_size else 'latent'} grid of the input (a layout this package does "
+                "not know, such as video frames folded into the tokens)."
+            )
+        elif planner.grid_without_cells is not None and (planner.auto_level or level <= config.max_downsample):
+            grid_h, grid_w = planner.grid_without_cells
+            message = (
+                f"ToMe merged no tokens in {model}: its {grid_h}x{grid_w} token grid holds no "
+                f"sy x sx = {config.sy}x{config.sx} cell, so there is no dst token to merge into (nothing was "
+                "planned). Use smaller sx and sy (2 is the paper's setting) for latents this small."
+            )
+        elif not planner.auto_level and level > config.max_downsample:
+            message = (
+                f"{name} merged no tokens in {model}: its highest-resolution transformer "
+                f"blocks run at {level}x downsampling, above max_downsample={config.max_downsample}. "
+                f"Use max_downsample={level} (or 'auto') to merge there."
+            )
+        if message is not None:
+            state.warned_no_merge = True
+            warnings.warn(message, UserWarning, stacklevel=3)
 
     def plan_in_flight(self, block_index: int) -> Any:
         """The plan block ``block_index`` uses in the call in flight in this thread (None when it does not merge):
         for inspection, e.g. from a forward pre-hook on the block's ``attn1``."""
         return self.state.plan_of(block_index)
-
-    def plan_for(self, block_index: int, hidden: Any) -> Optional[MergePlan]:
-        """The merge plan of one block call, or None when this block does not merge in this call."""
-        if not self.merges_something:
-            return None
-        grid = self._grid_if_merging(hidden)
-        if grid is None:
-            return None
-        if self.state.reads_timestep and converting():
-            self.state.refuse_conversion()
-        _, grid_h, grid_w = grid
-        if self.config.min_tokens and self._below_min_tokens(hidden):
-            self.state.blocks_skipped += 1
-            return None
-        if not self.todo and grid_h // self.config.sy * (grid_w // self.config.sx) == 0:
-            self.grid_without_cells = (grid_h, grid_w)  # no dst at all: an identity, not worth planning
-            return None
-        if self.todo:
-            config = self.config
-            return DownsamplePlan(hidden.shape[1], hidden.shape[0], grid_h, grid_w, config.downsample_factor,
-                                  config.downsample_mode)
-        state, tokens = self.state, hidden.shape[1]
-        if self.share_level:  # an earlier block of this call planned at this token count
-            plan = state.shared_plan(tokens)
-            if plan is not None and plan.batch_size == hidden.shape[0]:
-                state.plans_shared += 1
-                return plan
-        plan = self._merge_plan(block_index, hidden, grid_h, grid_w, self._ratio_now())
-        if plan is not None and self.share_level:
-            state.share_plan(tokens, plan)
-        return plan
 
     # gradient checkpointing -----------------------------------------------------------------------------------
     # ppdiffusers' checkpointing (recompute without re-entrance) runs a block's forward again during backward and
@@ -382,78 +293,3 @@ class ModelPatch:
         if entry is None or entry[0]() is not hidden:
             return None
         return entry[1]
-
-    def _below_min_tokens(self, hidden: Any) -> bool:
-        batch = hidden.shape[0]
-        if batch is None or batch < 0:
-            raise ToMeStaticGraphError(
-                f"ToMe with min_tokens={self.config.min_tokens} compares batch * tokens with it, but this program's "
-                "batch is dynamic; give the InputSpec a fixed batch or set min_tokens=0 before converting"
-            )
-        return batch * hidden.shape[1] < self.config.min_tokens
-
-    def _grid_if_merging(self, hidden: Any) -> Optional[Tuple[int, int, int]]:
-        """``(level, grid_h, grid_w)`` of the block input ``hidden`` when this block merges in this call."""
-        if self.state.latent_hw is None or not isinstance(hidden, TENSOR_TYPES) or hidden.ndim != 3:
-            return None
-        grid = self.token_grid(hidden.shape[1])
-        if grid is None:
-            return None
-        finest = self.state.saw_level(grid[0])
-        # "auto": the finest level with transformer blocks over the whole model (from its structure), else the
-        # finest one seen so far in this call, which is the first one a UNet's down path reaches
-        if self.auto_level and self.auto_finest is not None:
-            finest = self.auto_finest
-        return grid if grid[0] <= (finest if self.auto_level else self.config.max_downsample) else None
-
-    def _ratio_now(self) -> float:
-        if self.fixed_ratio is not None:
-            return self.fixed_ratio
-        progress = self.state.progress
-        config = self.config
-        return check_ratio(ratio_at(config.ratio, progress), config.sx, config.sy, f"(progress={progress:.3f})")
-
-    def _merge_plan(self, block_index: int, hidden: Any, grid_h: int, grid_w: int, ratio: float) -> Optional[MergePlan]:
-        """A new plan, or under ``recompute_every`` the one cached for this block (or level) and step; None when
-        ``ratio`` merges nothing here."""
-        state = self.state
-        key = f"level{hidden.shape[1]}" if self.share_level else str(block_index)
-        plan = state.cached_plan(key, hidden.shape[0], grid_h, grid_w) if self.caches else None
-        if plan is not None:
-            state.plans_reused += 1
-            return plan
-        if self.config.match_window is not None:
-            plan = self.make_local_plan(block_index, hidden, grid_h, grid_w, ratio)
-        else:
-            r = tokens_to_merge(hidden.shape[1], ratio)  # (Paddle's SOT tracer cannot call dataclass methods)
-            plan = self.make_plan(block_index, hidden, grid_h, grid_w, r) if r > 0 else None
-        if plan is None:
-            return None
-        state.plans_computed += 1
-        if self.caches:
-            state.store_plan(key, plan, grid_h, grid_w)
-        return plan
-
-    def make_local_plan(self, block_index: int, hidden: Any, grid_h: int, grid_w: int, ratio: float
-                        ) -> Optional[LocalMergePlan]:
-        """Match the block input within windows of about ``match_window`` tokens per side; each window merges
-        ``int(ratio * window tokens)`` of its src. None when no window holds a cell or nothing would merge."""
-        config = self.config
-        wy, wx = window_sides(grid_h, grid_w, config.match_window, config.sx, config.sy)
-        cells = (wy // config.sy) * (wx // config.sx)
-        window_r = min(tokens_to_merge(wy * wx, ratio), wy * wx - cells)
-        if cells == 0 or window_r <= 0:
-            return None
-        partition = self.state.window_partition_for(block_index, grid_h, grid_w, wy, wx)
-        windows = (grid_h, grid_w, wy, wx, config.sx, config.sy)
-        return LocalMergePlan.from_matching(hidden, windows, partition, window_r, order=config.match_order)
-
-    def make_plan(self, block_index: int, hidden: Any, grid_h: int, grid_w: int, r: int) -> MergePlan:
-        """Match the block input ``hidden`` on its ``grid_h x grid_w`` grid and plan the merge of ``r`` tokens."""
-        config = self.config
-        cells = (grid_h // config.sy) * (grid_w // config.sx)
-        partition = self.state.partition_for(block_index, grid_h, grid_w) if config.use_rand and cells else None
-        return bipartite_soft_matching_random2d(
-            hidden, grid_w, grid_h, config.sx, config.sy, r, no_rand=True, partition=partition,
-            deterministic=config.deterministic,
-        )

@@ -1,7 +1,7 @@
 """Runtime state of one patched model: the record of the call in flight and the step history, per thread.
 
-:class:`ToMeState` is the only writer of both; the hooks in :mod:`ppdiffusers_tome.hooks` and the planning in
-:mod:`ppdiffusers_tome.patch` go through its methods. Two kinds of per-thread data, kept apart because they live for
+:class:`ToMeState` is the only writer of both; the hooks in :mod:`ppdiffusers_tome.hooks` and the planner in
+:mod:`ppdiffusers_tome.planner` go through its methods. Two kinds of per-thread data, kept apart because they live for
 different lengths of time:
 
 * :class:`CallRecord` — what one forward call needs and forgets at its end: latent size, timestep, the partition
@@ -22,7 +22,8 @@ import numpy as np
 import paddle
 
 from .config import ToMeConfig
-from .merge import MergePlan, converting, partition_table, step_key, tracing, window_partition_table
+from .ops.global_plan import MergePlan
+from .ops.runtime import converting, tracing
 
 __all__ = ["CallRecord", "StepHistory", "ToMeState", "ToMeStaticGraphError", "timestep_values"]
 
@@ -95,7 +96,7 @@ def _live_calls(frame: Any, layer: Any = None) -> Set[int]:
 
 
 def _take(table: Dict, key: Any) -> Any:
-    """``table.pop(key, None)`` spelled so that Paddle's SOT tracer can follow it."""
+    """``table.pop(key, None)``."""
     if key in table:
         return table.pop(key)
     return None
@@ -174,7 +175,7 @@ class ToMeState:
     """Runtime state of one patched model: the call in flight and the step history (per thread), and counters.
 
     The random partition of a block is a hash of ``(seed, block, grid, timestep, cell)`` computed on the device
-    from the timestep tensor (see :func:`ppdiffusers_tome.merge.partition_table`), so it does not depend on how
+    from the timestep tensor (see :func:`ppdiffusers_tome.ops.partition.partition_table`), so it does not depend on how
     many calls came before, does not touch Paddle's RNG, reads nothing back to the host, and is the same for the
     prompted and unprompted halves of classifier-free guidance even when they arrive in separate calls. (A model
     called without a timestep falls back to keying by the number of the call.)
@@ -476,7 +477,7 @@ class ToMeState:
         """The plan that unmerges the output of sub-layer ``key`` (None when it did not merge)."""
         return _take(self._threads.call.active, key)
 
-    # plan caching and partitions --------------------------------------------------------------------------------------
+    # plan caching and sharing --------------------------------------------------------------------------------------
     def cached_plan(self, key: str, batch: int, grid_h: int, grid_w: int) -> Optional[MergePlan]:
         """The plan a block (``key``: its index, or its level when plans are shared) may reuse at the current step
         under ``recompute_every``, or None. A reused plan keeps the ``r`` of the step it was computed at (with a
@@ -503,33 +504,3 @@ class ToMeState:
 
     def share_plan(self, num_tokens: int, plan: Any) -> None:
         self._threads.call.shared[num_tokens] = plan
-
-    def partition_for(self, block_index: int, grid_h: int, grid_w: int) -> Any:
-        """Block ``block_index``'s random partition of a ``grid_h x grid_w`` grid in the call in flight: a row of a
-        table drawn once per call and grid for every block, on the device, from the timestep tensor."""
-        call, key = self._threads.call, f"{grid_h}x{grid_w}"
-        table = call.partitions[key] if key in call.partitions else None
-        if table is None:
-            if call.step_key is None:  # no timestep given: the number of this call (then the history does matter)
-                call.step_key = step_key(call.timestep if call.timestep is not None else call.number)
-            config = self.config
-            table = partition_table(grid_h, grid_w, config.sx, config.sy, call.step_key, config.seed, self.num_blocks)
-            call.partitions[key] = table
-        return table[block_index]
-
-    def window_partition_for(self, block_index: int, grid_h: int, grid_w: int, wy: int, wx: int) -> Any:
-        """Block ``block_index``'s ``[W, T]`` window-local partition for local matching in the call in flight (drawn
-        once per call, grid and window for every block; top-left dst without ``use_rand``)."""
-        call, key = self._threads.call, f"{grid_h}x{grid_w}/{wy}x{wx}"
-        table = call.partitions[key] if key in call.partitions else None
-        if table is None:
-            config = self.config
-            step = None
-            if config.use_rand:
-                if call.step_key is None:
-                    call.step_key = step_key(call.timestep if call.timestep is not None else call.number)
-                step = call.step_key
-            table = window_partition_table(grid_h, grid_w, wy, wx, config.sx, config.sy, step, config.seed,
-                                           self.num_blocks)
-            call.partitions[key] = table
-        return table[block_index]

@@ -1,11 +1,17 @@
-"""The tiny models for tests, examples and the offline demo, under their old address.
+"""Helpers for tests, examples and the offline demo: tiny models built from configs, and the GPU kernels on a CPU.
 
-Kept so that existing test code and user scripts (``from ppdiffusers_tome.testing import tiny_sd_pipeline``) keep
-working; the models live in :mod:`ppdiffusers_tome.presets`, where "tiny" is just another preset:
-``tiny_sd_pipeline(seed=s)`` builds exactly what ``preset_pipeline("tiny", seed=s)`` builds.
+``tiny_sd_pipeline(seed=s)`` builds exactly what ``preset_pipeline("tiny", seed=s)`` builds (see
+:mod:`ppdiffusers_tome.presets`). :func:`gpu_kernels` runs the merge core's GPU kernel family on any device, which
+is how the package's GPU properties (launches, transfers, memory, half precision) are checked on a CPU.
 """
 
-from .presets import (
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+from .ops.runtime import force_kernels
+from .tools.presets import (
     TEXT_HIDDEN,
     make_scheduler,
     random_controlnet,
@@ -25,6 +31,7 @@ from .presets import (
 
 __all__ = [
     "TEXT_HIDDEN",
+    "gpu_kernels",
     "make_scheduler",
     "random_controlnet",
     "tiny_controlnet",
@@ -40,3 +47,18 @@ __all__ = [
     "tiny_vae",
     "write_tokenizer_files",
 ]
+
+
+@contextlib.contextmanager
+def gpu_kernels() -> Iterator[None]:
+    """Inside the ``with`` block, the merge core runs its GPU kernel family whatever the tensors' place (in every
+    thread); the previous setting comes back on exit.
+
+    >>> import paddle
+    >>> from ppdiffusers_tome.ops.runtime import device_kind
+    >>> with gpu_kernels():
+    ...     device_kind(paddle.ones([1]))
+    'gpu'
+    """
+    with force_kernels("gpu"):
+        yield

@@ -1,11 +1,14 @@
 """Shared fixtures: small pipelines and helpers to run them deterministically."""
 
+import contextlib
+
 import numpy as np
 import paddle
 import pytest
 from PIL import Image
 
 import ppdiffusers_tome  # noqa: F401  (installs the methods)
+from ppdiffusers_tome.testing import gpu_kernels
 
 paddle.set_device("cpu")
 
@@ -36,3 +39,16 @@ def mask_image():
     mask = np.zeros((SIZE, SIZE), dtype="uint8")
     mask[8:24, 4:20] = 255
     return Image.fromarray(mask)
+
+
+@pytest.fixture
+def kernels():
+    """``kernels(kind)`` runs the merge core's ``kind`` kernel family until the test ends: ``"gpu"`` forces the GPU
+    family (through the public ``ppdiffusers_tome.testing.gpu_kernels``), ``"cpu"`` is this machine's own."""
+    with contextlib.ExitStack() as stack:
+
+        def use(kind):
+            if kind == "gpu":
+                stack.enter_context(gpu_kernels())
+
+        yield use

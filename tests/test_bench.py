@@ -10,9 +10,9 @@ import pytest
 from PIL import Image
 
 import ppdiffusers_tome
-from ppdiffusers_tome import bench
-from ppdiffusers_tome.bench import runner, timesplit
-from ppdiffusers_tome.cli import main
+from ppdiffusers_tome.tools import bench
+from ppdiffusers_tome.tools.bench import runner, timesplit
+from ppdiffusers_tome.tools.cli import main
 from ppdiffusers_tome.patch import get_patch
 from ppdiffusers_tome.presets import preset_pipeline
 from tests.test_patch import unet_inputs
@@ -346,7 +346,7 @@ def test_device_gpu_refuses_a_cpu_only_build_at_once(tmp_path, monkeypatch, caps
     def never(*args, **kwargs):
         raise AssertionError("a pipeline was built before the device was checked")
 
-    monkeypatch.setattr("ppdiffusers_tome.presets.preset_pipeline", never)
+    monkeypatch.setattr("ppdiffusers_tome.tools.presets.preset_pipeline", never)
     args = ["bench", "--device", "gpu", "--dtype", "float16", "--arch", "tiny", *QUICK, "--output", str(tmp_path)]
     assert main(args) == 2
     err = capsys.readouterr().err
@@ -408,7 +408,7 @@ def test_gpu_branch_synchronises_every_timed_run_and_reads_the_allocator(monkeyp
 
 
 def test_ops_per_block_column_on_a_tiny_preset(tmp_path, capsys):
-    from ppdiffusers_tome.measure import count_ops
+    from ppdiffusers_tome.tools.measure import count_ops
 
     args = ["bench", "--arch", "tiny", *QUICK, "--unet-only", "--methods", "vanilla", "tome", "todo", "--compare-builtin",
             "--no-time-split", "--no-plots", "--output", str(tmp_path)]
@@ -473,7 +473,7 @@ def test_demo_says_a_single_run_is_one_run(tmp_path, capsys):
 
 
 def test_demo_table_shows_a_ratio_that_merges_nothing_as_vanilla():
-    from ppdiffusers_tome.bench.demo import format_demo_table, noise_warning
+    from ppdiffusers_tome.tools.bench.demo import format_demo_table, noise_warning
 
     base = {"ratio": 0.0, "seconds_per_image": 4.0, "unet_seconds": 0.1, "peak_memory_bytes": 2**20,
             "added_memory_bytes": 2**20, "max_abs_diff": 0.0, "psnr_db": float("inf")}

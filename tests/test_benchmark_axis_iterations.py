@@ -1,10 +1,11 @@
 """benchmarks/axis_iterations.py: its configurations differ from local16f / local32f only in the squarings of the
-second moment, each plan is built with its own, the others with the package's, and its summary pairs seeds with
+second moment, each UNet planner gets its own, the others the package's, and its summary pairs seeds with
 tomesd's plan (the measurement itself is a benchmark, not a test)."""
 
 import pytest
 
-import ppdiffusers_tome.merge as merge_module
+from ppdiffusers_tome.ops.feature_order import DEFAULT_SQUARINGS
+from ppdiffusers_tome.testing import tiny_unet
 from tests.benchmark_scripts import load_benchmark
 
 
@@ -14,30 +15,35 @@ def bench():
 
 
 def test_variants_are_feature_order_plans_that_name_their_squarings(bench):
-    bench.add_variants([2, 4])
+    found = bench.variants([2, 4])
     configs = bench.local_plans.CONFIGS
+    assert sorted(found) == ["local16f_sq2", "local16f_sq4", "local32f_sq2", "local32f_sq4"]
     for k in (2, 4):
         for window in (16, 32):
-            options = dict(configs[f"local{window}f_sq{k}"])
+            options = dict(found[f"local{window}f_sq{k}"])
             assert options.pop("_squarings") == k
             assert options == configs[f"local{window}f"]
+    assert not any(name.endswith("_sq2") for name in configs)  # the package's registry is left as it was
 
 
-def test_apply_sets_the_squarings_for_the_plan_and_restores_the_package_default(bench, monkeypatch):
-    monkeypatch.setattr(merge_module, "_MOMENT_SQUARINGS", merge_module._MOMENT_SQUARINGS)
-    default = merge_module._MOMENT_SQUARINGS
-    seen = []
+class Pipe:
+    def __init__(self):
+        self.unet = tiny_unet()
 
-    def record(pipe, options):
-        seen.append((options, merge_module._MOMENT_SQUARINGS))
 
-    config = {"match_window": 16, "match_order": "feature", "_squarings": default - 1}
-    bench.apply("pipe", config, _apply=record)
-    bench.apply("pipe", {"match_window": 16, "match_order": "feature"}, _apply=record)
-    bench.apply("pipe", None, _apply=record)
-    assert seen == [({"match_window": 16, "match_order": "feature"}, default - 1),
-                    ({"match_window": 16, "match_order": "feature"}, default), (None, default)]
-    assert config["_squarings"] == default - 1  # the registered configuration is not consumed
+def test_apply_sets_the_squarings_on_the_unets_planner_only(bench):
+    from ppdiffusers_tome.patch import get_patch
+
+    pipe = Pipe()
+    config = {"match_window": 8, "match_order": "feature", "_squarings": DEFAULT_SQUARINGS - 1}
+    bench.local_plans.apply(pipe, config)
+    assert get_patch(pipe.unet).planner.squarings == DEFAULT_SQUARINGS - 1
+    assert get_patch(pipe.unet).config.match_window == 8  # the other options reach apply_tome
+    bench.local_plans.apply(pipe, {"match_window": 8, "match_order": "feature"})
+    assert get_patch(pipe.unet).planner.squarings == DEFAULT_SQUARINGS  # the package's own for the others
+    bench.local_plans.apply(pipe, None)
+    assert get_patch(pipe.unet) is None
+    assert config["_squarings"] == DEFAULT_SQUARINGS - 1  # the registered configuration is not consumed
 
 
 def test_squarings_out_of_range_are_refused_before_anything_runs(bench, capsys):

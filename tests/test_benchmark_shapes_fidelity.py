@@ -49,13 +49,14 @@ def test_short_run_records_every_configuration_and_seed(short_run, bench):
 
 
 def test_real_images_row_scores_the_prompts_own_images(short_run):
-    from ppdiffusers_tome.shapes import shipped
-    from ppdiffusers_tome.shapes.classifier import accuracy
+    from ppdiffusers_tome.tools import shapes as shipped
+    from research.shapes import scoring
+    from research.shapes.classifier import accuracy
 
     _, data = short_run
-    prompts, labels, images = shipped.held_out_prompts(3)
+    prompts, labels, images = scoring.held_out_prompts(3)
     assert data["prompts"] == prompts
-    expected = accuracy(shipped.load_classifier(), images, shipped.label_targets(labels))
+    expected = accuracy(scoring.load_trained_classifier(), images, scoring.label_targets(labels))
     assert data["real"]["accuracy"] == pytest.approx(expected)
 
 

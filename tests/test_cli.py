@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from ppdiffusers_tome.cli import main
-from ppdiffusers_tome.figure import MIN_TILE, row_layout
+from ppdiffusers_tome.tools.cli import main
+from ppdiffusers_tome.tools.images import MIN_TILE, row_layout
 from ppdiffusers_tome.presets import available_presets, default_resolution, load_preset, preset_pipeline
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -102,16 +102,6 @@ def test_presets_are_listed_and_validated():
         load_preset("sd99")
 
 
-def test_figure_draws_a_real_plan(tmp_path, capsys):
-    path = tmp_path / "plan.png"
-    assert main(["figure", "--ratio", "0.5", "--grid", "12", "--output", str(path)]) == 0
-    assert "12x12 tokens, 36 dst, 72 merged at ratio 0.5" in capsys.readouterr().out
-    with Image.open(path) as image:
-        assert image.size[0] > image.size[1] > 12 * 14
-        pixels = np.asarray(image.convert("RGB"))
-    assert len(np.unique(pixels.reshape(-1, 3), axis=0)) > 20  # tokens, group colours and outlines were drawn
-
-
 # --help, --version and option names ---------------------------------------------------------------------------
 def test_version(capsys):
     import ppdiffusers_tome
@@ -138,7 +128,7 @@ def test_demo_help_lists_presets_and_defaults(capsys):
 
 @pytest.mark.parametrize("command", ["demo", "bench"])
 def test_preset_and_arch_name_the_same_option(command):
-    from ppdiffusers_tome.cli import build_parser
+    from ppdiffusers_tome.tools.cli import build_parser
 
     parser = build_parser()
     assert parser.parse_args([command, "--preset", "tiny"]).preset == "tiny"
@@ -147,17 +137,17 @@ def test_preset_and_arch_name_the_same_option(command):
 
 
 def test_prompt_defaults_repeated_in_the_parser_equal_the_ones_used():
-    from ppdiffusers_tome.bench.methods import BenchSettings
-    from ppdiffusers_tome.cli import DEFAULT_PROMPT, SHAPES_PROMPT
-    from ppdiffusers_tome.shapes.shipped import DEMO_PROMPT
+    from ppdiffusers_tome.tools.bench.methods import BenchSettings
+    from ppdiffusers_tome.tools.cli import DEFAULT_PROMPT, SHAPES_PROMPT
+    from ppdiffusers_tome.tools.shapes import DEMO_PROMPT
 
     assert SHAPES_PROMPT == DEMO_PROMPT and DEFAULT_PROMPT == BenchSettings.prompt
 
 
 def test_demo_without_a_source_runs_the_shipped_shapes_model_with_its_own_defaults():
-    from ppdiffusers_tome.bench.commands import resolve_model
-    from ppdiffusers_tome.cli import build_parser
-    from ppdiffusers_tome.shapes import shipped
+    from ppdiffusers_tome.tools.bench.commands import resolve_model
+    from ppdiffusers_tome.tools.cli import build_parser
+    from ppdiffusers_tome.tools import shapes as shipped
 
     parser = build_parser()
     args = parser.parse_args(["demo"])
@@ -178,9 +168,9 @@ def test_demo_without_a_source_runs_the_shipped_shapes_model_with_its_own_defaul
 
 
 def test_model_shapes_names_the_shipped_folder_in_bench_too(tmp_path, monkeypatch):
-    from ppdiffusers_tome.bench.commands import model_layout, resolve_model
-    from ppdiffusers_tome.cli import build_parser
-    from ppdiffusers_tome.shapes import shipped
+    from ppdiffusers_tome.tools.bench.commands import model_layout, resolve_model
+    from ppdiffusers_tome.tools.cli import build_parser
+    from ppdiffusers_tome.tools import shapes as shipped
 
     args = build_parser().parse_args(["bench", "--model", "shapes"])
     assert resolve_model(args) is True and args.model == shipped.pipeline_folder()
@@ -192,9 +182,9 @@ def test_model_shapes_names_the_shipped_folder_in_bench_too(tmp_path, monkeypatc
 
 
 def test_missing_shipped_weights_are_a_clear_error(monkeypatch, capsys, tmp_path):
-    from ppdiffusers_tome.shapes import shipped
+    from ppdiffusers_tome.tools import shapes as shipped
 
-    monkeypatch.setattr(shipped, "WEIGHTS_DIR", str(tmp_path / "nothing"))
+    monkeypatch.setattr(shipped, "MODEL_DIR", str(tmp_path / "nothing"))
     assert main(["demo", "--output", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert "weights are missing" in err and "--preset" in err
@@ -205,7 +195,7 @@ def test_default_demo_shows_the_prompt_and_no_noise_warning(tmp_path, capsys):
                  "--output", str(tmp_path)]) == 0
     captured = capsys.readouterr()
     out = captured.out
-    from ppdiffusers_tome.shapes.shipped import DEMO_PROMPT
+    from ppdiffusers_tome.tools.shapes import DEMO_PROMPT
 
     assert "ToMe demo: shapes model (trained, shipped in the package), 64x64, 2 steps" in out
     assert f"prompt: {DEMO_PROMPT!r}" in out and "The images are noise" not in out and "merging saves little" in out
@@ -222,8 +212,8 @@ def test_unknown_preset_is_refused_with_the_list(capsys):
 
 
 def test_bench_methods_listed_without_importing_bench_match_bench():
-    from ppdiffusers_tome import bench
-    from ppdiffusers_tome.cli import BENCH_METHODS
+    from ppdiffusers_tome.tools import bench
+    from ppdiffusers_tome.tools.cli import BENCH_METHODS
 
     assert BENCH_METHODS == bench.ALL_METHODS
 
@@ -257,7 +247,7 @@ def test_help_only_detection():
 
 # memory check, default resolution, legend and noise warning --------------------------------------------------
 def test_demo_refuses_a_resolution_that_cannot_fit_before_building(monkeypatch, capsys, tmp_path):
-    from ppdiffusers_tome import presets
+    from ppdiffusers_tome.tools import presets
 
     monkeypatch.setattr(presets, "available_memory_bytes", lambda: 16 * 1024**3)
     monkeypatch.setattr(presets, "preset_pipeline", lambda *a, **k: pytest.fail("built a model"))
@@ -268,7 +258,7 @@ def test_demo_refuses_a_resolution_that_cannot_fit_before_building(monkeypatch, 
 
 
 def test_bench_refuses_the_largest_resolution_that_cannot_fit(monkeypatch, capsys, tmp_path):
-    from ppdiffusers_tome import presets
+    from ppdiffusers_tome.tools import presets
 
     monkeypatch.setattr(presets, "available_memory_bytes", lambda: 16 * 1024**3)
     monkeypatch.setattr(presets, "preset_pipeline", lambda *a, **k: pytest.fail("built a model"))
@@ -279,8 +269,8 @@ def test_bench_refuses_the_largest_resolution_that_cannot_fit(monkeypatch, capsy
 
 
 def test_default_resolution_comes_from_the_preset_or_the_model_folder(tmp_path):
-    from ppdiffusers_tome.bench.commands import model_layout
-    from ppdiffusers_tome.cli import build_parser
+    from ppdiffusers_tome.tools.bench.commands import model_layout
+    from ppdiffusers_tome.tools.cli import build_parser
 
     parser = build_parser()
     assert model_layout(parser.parse_args(["demo", "--preset", "tiny"]))[1] == 64
@@ -304,7 +294,7 @@ def test_demo_output_has_a_legend_and_records_the_noise(tmp_path, capsys):
 
 
 def test_noise_warning_names_the_spread_and_when_a_speedup_means_nothing():
-    from ppdiffusers_tome.bench.demo import noise_warning
+    from ppdiffusers_tome.tools.bench.demo import noise_warning
 
     rows = [{"method": "vanilla", "ratio": 0.0, "runs_seconds": [2.0, 8.0, 2.2]},  # the reported 4x spread
             {"method": "tome", "ratio": 0.5, "runs_seconds": [3.0, 3.3, 3.1]}]
@@ -320,7 +310,7 @@ def test_noise_warning_names_the_spread_and_when_a_speedup_means_nothing():
 
 
 # --version on every command, defaults in every --help -----------------------------------------------------------
-@pytest.mark.parametrize("command", ["demo", "bench", "figure"])
+@pytest.mark.parametrize("command", ["demo", "bench"])
 def test_every_command_answers_version(command, capsys):
     import ppdiffusers_tome
 
@@ -330,11 +320,11 @@ def test_every_command_answers_version(command, capsys):
     assert capsys.readouterr().out.strip() == f"ppdiffusers-tome {ppdiffusers_tome.__version__}"
 
 
-@pytest.mark.parametrize("command", ["demo", "bench", "figure"])
+@pytest.mark.parametrize("command", ["demo", "bench"])
 def test_every_option_with_a_default_shows_it_in_help(command, capsys):
     """Each option that has a default says it in --help: argparse prints nothing at all for an option without a
     help text, so every option needs one, and the formatter appends the default unless the help gives it."""
-    from ppdiffusers_tome.cli import build_parser
+    from ppdiffusers_tome.tools.cli import build_parser
 
     parser = build_parser()
     sub = next(a for a in parser._actions if a.dest == "command").choices[command]
@@ -347,8 +337,6 @@ def test_every_option_with_a_default_shows_it_in_help(command, capsys):
     with pytest.raises(SystemExit):
         main([command, "--help"])
     out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
-    if command == "figure":
-        assert "(default: 0.5)" in out and "(default: 24)" in out and "(default: outputs/tome_plan.png)" in out
     if command == "bench":
         assert "(default: vanilla tome tome-efficient bound)" in out and "(default: 0.5)" in out
 

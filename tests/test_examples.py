@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from ppdiffusers_tome.figure import MIN_TILE, row_layout
+from ppdiffusers_tome.tools.images import MIN_TILE, row_layout
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 SCRIPTS = sorted(name for name in os.listdir(EXAMPLES) if name.endswith(".py"))

@@ -14,7 +14,7 @@ import pytest
 
 import ppdiffusers_tome
 import ppdiffusers_tome.merge as merge_module
-from ppdiffusers_tome.measure import TransferCounter, count_forward_ops, count_ops, ops_added_per_block
+from ppdiffusers_tome.tools.measure import TransferCounter, count_forward_ops, count_ops, ops_added_per_block
 from ppdiffusers_tome.patch import find_blocks
 from ppdiffusers_tome.presets import preset_pipeline
 from ppdiffusers_tome.testing import tiny_unet
@@ -58,8 +58,8 @@ def transfers_of(run):
                          ids=["defaults", "local-shared", "feature-shared"])
 @pytest.mark.parametrize("timestep_kind", ["0-d", "[B]"])
 @pytest.mark.parametrize("batch", [1, 2])
-def test_patched_forward_adds_no_host_device_transfer(batch, timestep_kind, options, kind, monkeypatch):
-    monkeypatch.setattr(merge_module, "DEVICE_OVERRIDE", kind)
+def test_patched_forward_adds_no_host_device_transfer(batch, timestep_kind, options, kind, monkeypatch, kernels):
+    kernels(kind)
     unet = tiny_unet()
     run = unet_call(unet, batch, 16, timestep_kind)
     vanilla, vanilla_out = transfers_of(run)
@@ -81,8 +81,8 @@ def test_patched_forward_adds_no_host_device_transfer(batch, timestep_kind, opti
 @pytest.mark.parametrize("kind, options", [("gpu", {}), ("cpu", {}), ("gpu", dict(match_window=16, share_plan="level")),
                                            ("gpu", dict(match_window=16, match_order="feature", share_plan="level"))],
                          ids=["gpu", "cpu", "gpu-local-shared", "gpu-feature-shared"])
-def test_ops_added_per_merging_block_within_budget(kind, options, monkeypatch):
-    monkeypatch.setattr(merge_module, "DEVICE_OVERRIDE", kind)
+def test_ops_added_per_merging_block_within_budget(kind, options, monkeypatch, kernels):
+    kernels(kind)
     unet = tiny_unet()
     run = unet_call(unet, 2, 32, "[B]")  # 32 x 32 latent: 1024 tokens at the 1x level, as in the issue
     vanilla = count_forward_ops(run, unet)
@@ -103,9 +103,9 @@ def test_ops_added_per_merging_block_within_budget(kind, options, monkeypatch):
     )
 
 
-def test_gpu_branch_plan_and_apply_op_counts(monkeypatch):
+def test_gpu_branch_plan_and_apply_op_counts(monkeypatch, kernels):
     # the two halves of a merging block's cost, counted apart: building a plan, and merging + unmerging with it
-    monkeypatch.setattr(merge_module, "DEVICE_OVERRIDE", "gpu")
+    kernels("gpu")
     x = paddle.randn([2, 1024, 64])
     partition = merge_module.partition_table(32, 32, 2, 2, merge_module.step_key(500), 0, 1)[0]
     build = lambda: merge_module.MergePlan.from_matching(x, partition, 768, 512)  # noqa: E731
@@ -118,9 +118,9 @@ def test_gpu_branch_plan_and_apply_op_counts(monkeypatch):
 
 
 @pytest.mark.parametrize("kind", ["gpu", "cpu"])
-def test_temporaries_stay_within_the_similarity_and_three_token_tensors(kind, monkeypatch):
+def test_temporaries_stay_within_the_similarity_and_three_token_tensors(kind, monkeypatch, kernels):
     # issue #16: the 0.3.0 GPU branch also held a float32 one-hot [B, r, Nd] (grows as B*N^2): 650 MiB here
-    monkeypatch.setattr(merge_module, "DEVICE_OVERRIDE", kind)
+    kernels(kind)
     batch, tokens, channels, side = 2, 16384, 64, 128
     num_dst = tokens // 4
     x = paddle.to_tensor(np.random.default_rng(0).standard_normal((batch, tokens, channels)).astype("float32"))
@@ -150,8 +150,8 @@ def test_similarity_dtype_follows_the_tokens_on_a_gpu_only():
 
 
 @pytest.mark.parametrize("half", ["float16", "bfloat16"])
-def test_gpu_branch_keeps_half_tokens_in_half_precision(half, monkeypatch):
-    monkeypatch.setattr(merge_module, "DEVICE_OVERRIDE", "gpu")
+def test_gpu_branch_keeps_half_tokens_in_half_precision(half, monkeypatch, kernels):
+    kernels("gpu")
     seen = []
     original_matmul = paddle.matmul
     x = paddle.randn([2, 64, 16]).astype(half)

@@ -35,19 +35,24 @@ class Recorder:
         self.calls.append(len(args))
 
 
+class FakePlanner:
+    def __init__(self, plan):
+        self.plan = plan
+
+    def plan_for(self, index, hidden):
+        return self.plan
+
+
 class FakePatch:
-    """What BlockHooks needs of a ModelPatch: a state, and a plan for a block's input."""
+    """What BlockHooks needs of a ModelPatch: a state, and a planner that gives a plan for a block's input."""
 
     keeps_plans = False  # no gradient checkpointing here
 
     def __init__(self, plan):
         self.state = ToMeState(ToMeConfig(), num_blocks=1)
-        self.plan = plan
+        self.planner = FakePlanner(plan)
         # a model call in flight (8x8 latent), as the model's pre-hook would start it: blocks plan only inside one
         self.state.begin_call(paddle.ones([1, 4, 8, 8]), 10)
-
-    def plan_for(self, index, hidden):
-        return self.plan
 
 
 def tokens(shape, seed=0):

@@ -6,7 +6,7 @@ import numpy as np
 import paddle
 import pytest
 
-from ppdiffusers_tome.measure import ForwardTimer, PeakMemory, median, psnr, relative_l2, set_threads
+from ppdiffusers_tome.tools.measure import ForwardTimer, PeakMemory, median, psnr, relative_l2, set_threads
 
 
 def test_psnr_matches_its_definition():
@@ -58,7 +58,7 @@ def test_median_and_threads():
 
 
 # instruments of the GPU path: host<->device transfers and eager operator counts ----------------------------------
-from ppdiffusers_tome.measure import (  # noqa: E402
+from ppdiffusers_tome.tools.measure import (  # noqa: E402
     MergingBlocks,
     TransferCounter,
     count_forward_ops,

@@ -7,6 +7,7 @@ import paddle
 import pytest
 
 import ppdiffusers_tome.merge as merge_module
+from ppdiffusers_tome.ops import cache as cache_module, partition as partition_module
 from ppdiffusers_tome.merge import (
     DownsamplePlan,
     downsample_tokens,
@@ -344,9 +345,9 @@ def test_downsample_plan_counts_its_keys_and_rejects_bad_input():
 
 # the device path (issue #10): GPU kernels run on CPU, keyed partition, scale-free matching --------------------------
 @pytest.fixture
-def gpu_kernels(monkeypatch):
+def gpu_kernels(monkeypatch, kernels):
     """Run the GPU branch's logic (matching in the tokens' dtype, padded sort, no unmerge cast) on the CPU."""
-    monkeypatch.setattr(merge_module, "DEVICE_OVERRIDE", "gpu")
+    kernels("gpu")
 
 
 @pytest.mark.parametrize("batch,h,w,sx,sy,r,no_rand", CASES)
@@ -400,7 +401,7 @@ def test_gpu_kernels_unmerge_half_dtypes_without_a_float32_round_trip(gpu_kernel
     out = plan.unmerge(y)
     assert plan.kind == "gpu" and out.dtype == y.dtype and "float32" not in casts
     cpu = bipartite_soft_matching_random2d(paddle.randn([2, 64, 8]), 8, 8, 2, 2, 32, generator=0, kind="cpu")
-    cpu.tables = plan.tables
+    cpu.unmerge_rows = plan.unmerge_rows  # the GPU plan's tables, applied by the CPU kernels
     np.testing.assert_array_equal(out.astype("float32").numpy(), cpu.unmerge(y).astype("float32").numpy())
 
 
@@ -435,8 +436,8 @@ def test_partition_table_rows_differ_by_block_timestep_seed_and_grid():
 
 
 def test_seed_salts_use_every_bit_and_keep_the_old_salts_below_2_to_the_29():
-    salt = merge_module._seed_salt
-    assert salt(0) == 0 and salt(5) == (5 * merge_module._W_SEED) & merge_module._MASK31  # partitions of 0.4.0 kept
+    salt = partition_module._seed_salt
+    assert salt(0) == 0 and salt(5) == (5 * partition_module._W_SEED) & partition_module.MASK31  # partitions of 0.4.0 kept
     seeds = [0, 2**29, 2**30, 3 * 2**29, 2**31, 2**32, 2**62, 2**64 - 1]
     assert len({salt(s) for s in seeds}) == len(seeds)
     low = np.random.default_rng(0).choice(2**31, 20000, replace=False)
@@ -509,8 +510,8 @@ def test_the_device_cache_is_safe_for_threads_planning_at_many_shapes(monkeypatc
             return super().move_to_end(*args, **kwargs)
 
     merge_module.clear_cache()
-    monkeypatch.setattr(merge_module._CACHE, "size", 4)  # evictions all the time
-    monkeypatch.setattr(merge_module._CACHE, "items", Yielding())
+    monkeypatch.setattr(cache_module.CACHE, "size", 4)  # evictions all the time
+    monkeypatch.setattr(cache_module.CACHE, "items", Yielding())
     errors, start = [], threading.Barrier(4)
     shapes = [(h, w) for h in (4, 6, 8) for w in (4, 6, 8)]
 
@@ -532,8 +533,8 @@ def test_the_device_cache_is_safe_for_threads_planning_at_many_shapes(monkeypatc
     for thread in threads:
         thread.join(120)
     assert not errors, errors[:3]
-    assert len(merge_module._CACHE.items) <= 4
-    assert merge_module._CACHE.bytes == sum(merge_module._nbytes(v) for v in merge_module._CACHE.items.values())
+    assert len(cache_module.CACHE.items) <= 4
+    assert cache_module.CACHE.bytes == sum(cache_module._nbytes(v) for v in cache_module.CACHE.items.values())
     merge_module.clear_cache()  # (the test's table goes)
 
 
@@ -543,7 +544,7 @@ def test_the_device_cache_is_bounded_in_bytes_and_can_be_cleared(monkeypatch):
     ppdiffusers_tome.clear_cache()
     assert ppdiffusers_tome.cache_info()["entries"] == 0 and ppdiffusers_tome.cache_info()["bytes"] == 0
     limit = 2**20
-    monkeypatch.setattr(merge_module._CACHE, "max_bytes", limit)
+    monkeypatch.setattr(cache_module.CACHE, "max_bytes", limit)
     rng = np.random.default_rng(0)
     expected = {}
     for batch in range(1, 17):  # activation-sized buffers of a growing batch: [B, 256, 320] float32, B * 160 KiB
@@ -553,11 +554,11 @@ def test_the_device_cache_is_bounded_in_bytes_and_can_be_cleared(monkeypatch):
         info = ppdiffusers_tome.cache_info()
         assert info["bytes"] <= limit and info["max_bytes"] == limit, info
     assert info["entries"] > 0
-    sizes = [merge_module._nbytes(value) for value in merge_module._CACHE.items.values()]
+    sizes = [cache_module._nbytes(value) for value in cache_module.CACHE.items.values()]
     assert sum(sizes) == info["bytes"] and max(sizes) <= limit
     freed = ppdiffusers_tome.clear_cache()
     assert freed == info["bytes"] > 0
     assert ppdiffusers_tome.cache_info()["entries"] == 0 and ppdiffusers_tome.cache_info()["bytes"] == 0
     for x, plan, merged in expected.values():  # plans made before the clear still merge, and the same
         np.testing.assert_array_equal(plan.merge(x).numpy(), merged)
-    assert merge_module.DEFAULT_CACHE_BYTES == merge_module._DeviceCache().max_bytes == 64 * 2**20
+    assert merge_module.DEFAULT_CACHE_BYTES == cache_module.DeviceCache().max_bytes == 64 * 2**20

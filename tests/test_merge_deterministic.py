@@ -9,8 +9,8 @@ import pytest
 
 import ppdiffusers_tome
 import ppdiffusers_tome.merge as merge_module
-from ppdiffusers_tome.measure import count_forward_ops, count_ops, ops_added_per_block
-from ppdiffusers_tome.merge import bipartite_soft_matching_random2d, grid_partition
+from ppdiffusers_tome.tools.measure import count_forward_ops, count_ops, ops_added_per_block
+from ppdiffusers_tome.merge import GroupMergePlan, bipartite_soft_matching_random2d, grid_partition
 from ppdiffusers_tome.testing import tiny_unet
 from tests.numpy_reference import reference_merge, reference_plan, reference_round_trip
 from tests.test_gpu_path import unet_call
@@ -21,8 +21,8 @@ ATOMIC_ADDS = ("index_add", "scatter", "scatter_nd_add", "put_along_axis", "inde
 
 
 @pytest.fixture
-def gpu_kernels(monkeypatch):
-    monkeypatch.setattr(merge_module, "DEVICE_OVERRIDE", "gpu")
+def gpu_kernels(monkeypatch, kernels):
+    kernels("gpu")
 
 
 def plans(metric, h, w, sx, sy, r, no_rand=False):
@@ -40,7 +40,7 @@ def test_deterministic_merge_matches_the_numpy_reference(gpu_kernels, batch, h, 
     metric = tie_free_metric(3, batch, h, w, 12, src, dst, r)
     x = paddle.to_tensor(np.random.default_rng(4).standard_normal((batch, h * w, 5)).astype(np.float32) + 0.5)
     default, plan = plans(metric, h, w, sx, sy, r, no_rand)
-    assert plan.kind == "gpu" and "group_rows" in plan.tables and "group_rows" not in default.tables
+    assert plan.kind == "gpu" and isinstance(plan, GroupMergePlan) and not isinstance(default, GroupMergePlan)
     ref = reference_plan(metric, *partition_of(plan), r)
     np.testing.assert_allclose(plan.merge(x).numpy(), reference_merge(x.numpy(), ref), **F32_TOL)
     np.testing.assert_allclose(plan.unmerge(plan.merge(x)).numpy(), reference_round_trip(x.numpy(), ref), **F32_TOL)

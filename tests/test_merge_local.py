@@ -8,7 +8,8 @@ import paddle
 import pytest
 
 import ppdiffusers_tome.merge as merge_module
-from ppdiffusers_tome.measure import count_ops
+from ppdiffusers_tome.ops import feature_order
+from ppdiffusers_tome.tools.measure import count_ops
 from ppdiffusers_tome.merge import LocalMergePlan, step_key, window_partition_table, window_sides
 from tests.half_on_cpu import half_kernels
 from tests.numpy_reference import (
@@ -151,7 +152,7 @@ def test_dense_plan_keeps_half_tokens_in_half_precision(half, agreement, order, 
     # _MOMENT_SQUARINGS times and applied to the start axis in float32 (high powers of values below 1 underflow
     # float16)
     tokens = {(f"paddle.{half}", f"paddle.{half}", False): 6 if order == "feature" else 3}
-    small_products = 4 + merge_module._MOMENT_SQUARINGS
+    small_products = 4 + feature_order.DEFAULT_SQUARINGS
     assert dict(operands) == ({**tokens, ("paddle.float32", "paddle.float32", True): small_products}
                               if order == "feature" else tokens)
     assert merged.dtype == x_half.dtype and out.dtype == x_half.dtype
@@ -168,11 +169,11 @@ def test_dense_plan_keeps_half_tokens_in_half_precision(half, agreement, order, 
 
 @pytest.mark.parametrize("order", ["grid", "feature"])
 @pytest.mark.parametrize("kind", ["gpu", "cpu"])
-def test_local_matching_needs_a_small_fraction_of_global_temporaries(kind, order, monkeypatch):
+def test_local_matching_needs_a_small_fraction_of_global_temporaries(kind, order, monkeypatch, kernels):
     # issue #17: similarity work and temporaries at [2, 16384, 320] at least 10x below global matching's. Both plans
     # hold one copy of the tokens (40 MiB here: global as unit rows, local in window order); beyond it, global holds
     # the [B, Ns, Nd] similarity (384 MiB) and local a [B*W, Ns_w, Nd_w] one (6 MiB)
-    monkeypatch.setattr(merge_module, "DEVICE_OVERRIDE", kind)
+    kernels(kind)
     batch, tokens, channels = 2, 16384, 320
     x = paddle.to_tensor(np.random.default_rng(0).standard_normal((batch, tokens, channels)).astype("float32"))
     core = paddle.base.core
@@ -237,7 +238,7 @@ def test_principal_axes_recover_planted_directions_off_the_mean():
     unit = metric / np.linalg.norm(metric, axis=-1, keepdims=True)
     along = unit.mean(axis=1, keepdims=True)
     along /= np.linalg.norm(along, axis=-1, keepdims=True)
-    axes = merge_module._principal_axes(x, rnorm, paddle.to_tensor(along.astype(np.float32)), 3).numpy()
+    axes = feature_order.principal_axes(x, rnorm, paddle.to_tensor(along.astype(np.float32)), 3).numpy()
     assert axes.shape == (2, 3, channels)
     for b in range(2):
         np.testing.assert_allclose(axes[b] @ axes[b].T, np.eye(3), atol=1e-5)
@@ -260,7 +261,7 @@ def test_principal_axes_survive_a_flat_spectrum_at_wide_channels(channels, token
     along = unit.mean(axis=1, keepdims=True)
     along /= np.linalg.norm(along, axis=-1, keepdims=True)
     rnorm = 1.0 / np.linalg.norm(metric, axis=-1, keepdims=True)
-    axes = merge_module._principal_axes(*(paddle.to_tensor(a) for a in (metric, rnorm, along)), 3).numpy()[0]
+    axes = feature_order.principal_axes(*(paddle.to_tensor(a) for a in (metric, rnorm, along)), 3).numpy()[0]
     np.testing.assert_allclose(axes @ axes.T, np.eye(3), atol=1e-4)
     project = np.eye(channels) - along[0].T.astype(np.float64) @ along[0]
     moment = project @ (unit[0].T.astype(np.float64) @ unit[0]) @ project
@@ -295,7 +296,7 @@ def test_feature_order_puts_tokens_of_one_direction_in_one_window_wherever_they_
     table = window_partition_table(h, w, 8, 8, 2, 2, step_key(11), seed=0, blocks=1)
     grid_window = (np.arange(h * w) // w // 8) * 2 + (np.arange(h * w) % w) // 8
     plan = LocalMergePlan.from_matching(metric, (h, w, 8, 8, 2, 2), table[0], 40, kind="gpu", order="feature")
-    positions = plan.tables["window_index"].numpy()[..., 1]  # [W, T] grid positions of each window's tokens
+    positions = plan.window_index.numpy()[..., 1]  # [W, T] grid positions of each window's tokens
     for tokens in positions:
         assert len(set(patch[tokens])) == 1 and len(set(grid_window[tokens])) > 1
     assert all(len(set(patch[reference])) == 2 for reference in reference_windows(h, w, 8, 8))

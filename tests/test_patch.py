@@ -488,12 +488,13 @@ def test_an_error_inside_a_patched_forward_leaves_the_model_usable():
 
 def test_unknown_timestep_falls_back_to_call_count():
     unet = tiny_unet()
-    state = ModelPatch.install(unet, ToMeConfig()).state
+    patch = ModelPatch.install(unet, ToMeConfig())
+    state = patch.state
     state.begin_call(paddle.zeros([1, 4, 8, 8]), None)
-    a = state.partition_for(0, 8, 8).numpy()
+    a = patch.planner.partition(0, 8, 8).numpy()
     state.end_call()
     state.begin_call(paddle.zeros([1, 4, 8, 8]), None)
-    b = state.partition_for(0, 8, 8).numpy()
+    b = patch.planner.partition(0, 8, 8).numpy()
     state.end_call()
     assert not np.array_equal(a, b) and state.calls == 2
     assert sorted(a.tolist()) == list(range(64))
@@ -528,7 +529,7 @@ def test_many_apply_remove_cycles_leave_nothing_behind():
     import gc
     import weakref
 
-    from ppdiffusers_tome.measure import _rss_bytes
+    from ppdiffusers_tome.tools.measure import _rss_bytes
 
     unet = tiny_unet()
     inputs = unet_inputs(unet)

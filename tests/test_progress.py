@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from ppdiffusers_tome.progress import ProgressBar
+from ppdiffusers_tome.tools.progress import ProgressBar
 
 
 @pytest.fixture

@@ -104,6 +104,6 @@ def test_readme_block_runs(readme, kind, code, line, tiny_folders, tmp_path, mon
     try:
         exec(compile(code, f"{readme}:{line}", "exec"), {"__name__": "__readme__"})
     finally:  # the CPU block gives Paddle every core: back to the suite's setting for the tests that follow
-        from ppdiffusers_tome.measure import set_threads
+        from ppdiffusers_tome.tools.measure import set_threads
 
         set_threads(int(os.environ.get("FLAGS_paddle_num_threads", "1")))

@@ -6,8 +6,8 @@ import numpy as np
 import paddle
 import pytest
 
-from ppdiffusers_tome.shapes import classifier, dataset
-from ppdiffusers_tome.shapes.classifier import (
+from research.shapes import classifier, dataset
+from research.shapes.classifier import (
     FEATURES,
     HEADS,
     ShapesClassifier,

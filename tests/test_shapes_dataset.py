@@ -6,8 +6,8 @@ import re
 import numpy as np
 import pytest
 
-from ppdiffusers_tome.shapes import dataset
-from ppdiffusers_tome.shapes.dataset import (
+from research.shapes import dataset
+from research.shapes.dataset import (
     BACKGROUND_RGB,
     COLOUR_RGB,
     POSITIONS,

@@ -14,8 +14,8 @@ from ppdiffusers.models.attention_processor import Attention
 
 import ppdiffusers_tome
 from ppdiffusers_tome.presets import load_local_pipeline
-from ppdiffusers_tome.shapes import dataset, model
-from ppdiffusers_tome.shapes.model import _apply_bpe, build_pipeline, count_parameters, word_merges
+from research.shapes import dataset, model
+from research.shapes.model import _apply_bpe, build_pipeline, count_parameters, word_merges
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,10 @@ import os
 import numpy as np
 import pytest
 
-from ppdiffusers_tome.shapes import shipped
-from ppdiffusers_tome.shapes.classifier import HEADS, accuracy
+from ppdiffusers_tome.tools import shapes as shipped
+
+from research.shapes import scoring
+from research.shapes.classifier import HEADS, accuracy
 
 # Mean classifier accuracy over the four heads on FIXED_PROMPTS (see test_trained_model_draws_what_the_caption_says):
 # chance is 1/5, 1/8, 1/9 and 1/6 for shape, colour, position and background (0.15 on average). Measured when the
@@ -24,7 +26,7 @@ STEPS = 12
 
 def weights_bytes():
     total = 0
-    for root, _, files in os.walk(shipped.WEIGHTS_DIR):
+    for root, _, files in os.walk(shipped.MODEL_DIR):
         total += sum(os.path.getsize(os.path.join(root, name)) for name in files)
     return total
 
@@ -36,11 +38,11 @@ def test_shipped_weights_exist_and_fit_in_10_megabytes():
 
 def test_training_record_names_the_commands_that_reproduce_the_weights():
     info = shipped.training_info()
-    assert "ppdiffusers_tome.shapes.train" in info["pipeline"]["command"]
+    assert "research.shapes.train" in info["pipeline"]["command"]
     assert "--max-steps" in info["pipeline"]["command"] and "--vae-steps" in info["pipeline"]["command"]
     assert info["pipeline"]["minutes"] <= 45  # the budget on this machine class
-    assert "ppdiffusers_tome.shapes.classifier" in info["classifier"]["command"]
-    with open(os.path.splitext(shipped.classifier_path())[0] + ".json", encoding="utf-8") as f:
+    assert "research.shapes.classifier" in info["classifier"]["command"]
+    with open(os.path.splitext(scoring.CLASSIFIER_PATH)[0] + ".json", encoding="utf-8") as f:
         accuracy_record = json.load(f)["accuracy"]
     assert set(accuracy_record) == set(HEADS)
 
@@ -56,18 +58,18 @@ def test_pipeline_loads_offline_through_from_pretrained():
 
 
 def test_held_out_prompts_name_one_object_and_come_from_another_seed_than_training():
-    prompts, labels, images = shipped.held_out_prompts(5)
+    prompts, labels, images = scoring.held_out_prompts(5)
     assert len(prompts) == 5 and images.shape == (5, 3, 64, 64)
     assert all(label["n_objects"] == 1 and label["position"] in prompt for prompt, label in zip(prompts, labels))
-    assert shipped.HELD_OUT_SEED != 0  # training draws dataset seed 0 (TrainConfig.seed)
+    assert scoring.HELD_OUT_SEED != 0  # training draws dataset seed 0 (TrainConfig.seed)
     assert -1.0 <= images.min() < images.max() <= 1.0
     with pytest.raises(ValueError, match="count must be >= 1"):
-        shipped.held_out_prompts(0)
+        scoring.held_out_prompts(0)
 
 
 def test_shipped_classifier_reads_real_held_out_images():
-    prompts, labels, images = shipped.held_out_prompts(128)
-    scores = accuracy(shipped.load_classifier(), images, shipped.label_targets(labels))
+    prompts, labels, images = scoring.held_out_prompts(128)
+    scores = accuracy(scoring.load_trained_classifier(), images, scoring.label_targets(labels))
     assert min(scores.values()) >= 0.9, scores
 
 
@@ -81,8 +83,8 @@ def _generate(pipe, prompts):
 
 @pytest.fixture(scope="module")
 def fixed():
-    prompts, labels, _ = shipped.held_out_prompts(FIXED_PROMPTS)
-    return prompts, shipped.label_targets(labels), shipped.load_classifier()
+    prompts, labels, _ = scoring.held_out_prompts(FIXED_PROMPTS)
+    return prompts, scoring.label_targets(labels), scoring.load_trained_classifier()
 
 
 def _mean_accuracy(model, images, targets):
@@ -97,7 +99,7 @@ def test_trained_model_draws_what_the_caption_says(fixed):
 
 
 def test_random_weights_cannot_reach_the_threshold(fixed):
-    from ppdiffusers_tome.shapes.model import build_pipeline
+    from research.shapes.model import build_pipeline
 
     prompts, targets, model = fixed
     for seed in (0, 1):

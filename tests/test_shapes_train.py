@@ -10,9 +10,9 @@ import paddle
 import pytest
 from ppdiffusers import StableDiffusionPipeline
 
-from ppdiffusers_tome.shapes import dataset, train
-from ppdiffusers_tome.shapes.model import build_pipeline
-from ppdiffusers_tome.shapes.train import TrainConfig, diffusion_loss, encode_prompts, vae_loss
+from research.shapes import dataset, train
+from research.shapes.model import build_pipeline
+from research.shapes.train import TrainConfig, diffusion_loss, encode_prompts, vae_loss
 
 
 def fit(loss_fn, parameters, steps, lr):
@@ -187,7 +187,7 @@ def test_min_snr_weights_cap_the_signal_to_noise_ratio_and_weight_the_loss(kind)
 
 
 def test_shapes_scheduler_has_zero_terminal_snr_and_samples_from_the_last_step():
-    from ppdiffusers_tome.shapes.model import SCHEDULER_CONFIG, build_scheduler
+    from research.shapes.model import SCHEDULER_CONFIG, build_scheduler
 
     scheduler = build_scheduler()
     alpha_bar = scheduler.alphas_cumprod.numpy().astype(np.float64)

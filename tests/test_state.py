@@ -9,6 +9,7 @@ import pytest
 
 from ppdiffusers_tome.config import ToMeConfig
 from ppdiffusers_tome.merge import bipartite_soft_matching_random2d
+from ppdiffusers_tome.planner import Planner
 from ppdiffusers_tome.state import StepHistory, ToMeState, timestep_values
 
 
@@ -102,17 +103,18 @@ def test_listed_recompute_steps():
 
 def test_partitions_are_drawn_once_per_call_and_grid_for_every_block():
     state = ToMeState(ToMeConfig(), num_blocks=3)
+    planner = Planner(ToMeConfig(), state, None, [("a", None), ("b", None), ("c", None)])
     state.begin_call(paddle.zeros([1, 4, 8, 8]), paddle.to_tensor(500))
-    rows = [state.partition_for(block, 8, 8).numpy() for block in range(3)]
+    rows = [planner.partition(block, 8, 8).numpy() for block in range(3)]
     assert all(sorted(row.tolist()) == list(range(64)) for row in rows)  # each a permutation of the grid
     assert len({tuple(row) for row in rows}) == 3  # every block its own partition
-    assert state.partition_for(1, 8, 8).numpy().tolist() == rows[1].tolist() and list(state.call.partitions) == ["8x8"]
+    assert planner.partition(1, 8, 8).numpy().tolist() == rows[1].tolist() and list(state.call.partitions) == ["8x8"]
     state.end_call()
     state.begin_call(paddle.zeros([1, 4, 8, 8]), paddle.to_tensor(500))  # same timestep: same partition
-    assert state.partition_for(1, 8, 8).numpy().tolist() == rows[1].tolist()
+    assert planner.partition(1, 8, 8).numpy().tolist() == rows[1].tolist()
     state.end_call()
     state.begin_call(paddle.zeros([1, 4, 8, 8]), paddle.to_tensor(400))
-    assert state.partition_for(1, 8, 8).numpy().tolist() != rows[1].tolist()
+    assert planner.partition(1, 8, 8).numpy().tolist() != rows[1].tolist()
     state.end_call()
 
 

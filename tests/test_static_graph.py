@@ -1,5 +1,5 @@
 """A ToMe-patched UNet converted with paddle.jit.to_static and saved with paddle.jit.save for Paddle Inference
-(ppdiffusers_tome/patch.py and merge.py under static-graph tracing), with a fixed and with a dynamic batch."""
+(the hooks, the planner and the merge core under static-graph tracing), with a fixed and with a dynamic batch."""
 
 import numpy as np
 import paddle
@@ -7,7 +7,8 @@ import pytest
 from paddle.static import InputSpec
 
 import ppdiffusers_tome
-from ppdiffusers_tome import merge
+from ppdiffusers_tome.ops import partition, windows
+from ppdiffusers_tome.ops.cache import clear_cache
 from ppdiffusers_tome.patch import ToMeStaticGraphError
 from ppdiffusers_tome.testing import tiny_unet
 from tests.test_patch import unet_inputs
@@ -98,11 +99,9 @@ def test_export_with_a_dynamic_batch_follows_the_timestep_inside_the_program(tmp
 
 def empty_merge_caches():
     """Forget every table the merge core has built (device tensors and host grids), as in a fresh process."""
-    cache = getattr(merge, "_CACHE", None)
-    if cache is not None and hasattr(cache, "items"):
-        cache.items.clear()
-    for name in ("_grid", "_windows", "window_sides"):
-        getattr(merge, name).cache_clear()
+    clear_cache()
+    for cached in (partition.grid, windows.windows, windows.window_sides):
+        cached.cache_clear()
 
 
 def convert(unet, mode):

@@ -2,9 +2,13 @@
 command line from outside the repository with the configs it ships."""
 
 import os
+import re
 import shutil
 import subprocess
 import sys
+import zipfile
+
+import ppdiffusers_tome
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -36,6 +40,14 @@ def test_wheel_installs_into_a_fresh_folder_and_its_command_runs_from_elsewhere(
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     (wheel,) = (tmp_path / "dist").glob("ppdiffusers_tome-*.whl")
+    assert wheel.name.startswith(f"ppdiffusers_tome-{ppdiffusers_tome.__version__}-")
+    with zipfile.ZipFile(wheel) as archive:
+        files = [name for name in archive.namelist() if ".dist-info/" not in name]
+    # the library, the tools and the shipped pipeline; no research code (training, dataset, classifier, figure)
+    assert "ppdiffusers_tome/ops/global_plan.py" in files and "ppdiffusers_tome/tools/cli.py" in files
+    assert "ppdiffusers_tome/tools/shapes_model/pipeline/model_index.json" in files
+    research = [name for name in files if re.search(r"(research|train|dataset|classifier|figure)\w*\.py$|classifier", name)]
+    assert not research, research
     site = tmp_path / "site"
     done = subprocess.run([*pip, "install", "--no-deps", "--target", str(site), str(wheel)],
                           capture_output=True, text=True, timeout=300)
@@ -44,7 +56,7 @@ def test_wheel_installs_into_a_fresh_folder_and_its_command_runs_from_elsewhere(
     elsewhere = tmp_path / "elsewhere"  # a working directory outside the repository
     elsewhere.mkdir()
     env = dict(os.environ, PYTHONPATH=str(site))  # ahead of the environment's own (editable) install
-    check = ("import ppdiffusers_tome, ppdiffusers_tome.presets as p\n"
+    check = ("import ppdiffusers_tome, ppdiffusers_tome.tools.presets as p\n"
              "print(ppdiffusers_tome.__file__)\n"
              "print(p.CONFIG_DIR)\n"
              "print(' '.join(p.available_presets()))\n"
@@ -72,7 +84,7 @@ def test_wheel_installs_into_a_fresh_folder_and_its_command_runs_from_elsewhere(
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=elsewhere, env=env)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "ToMe demo: shapes model (trained, shipped in the package)" in done.stdout
-    check = ("from ppdiffusers_tome.shapes import shipped\n"
+    check = ("from ppdiffusers_tome.tools import shapes as shipped\n"
              "print(shipped.has_weights(), shipped.pipeline_folder())")
     done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=300, cwd=elsewhere,
                           env=env)

@@ -1,0 +1,368 @@
+"""Bipartite soft matching over the whole grid (ToMe SD), and the plan that merges and unmerges with it.
+
+Steps of :func:`bipartite_soft_matching_random2d`: draw the partition (one dst per ``sy x sx`` cell), find every
+src's most similar dst, sort the src by that similarity, merge the ``r`` most similar into their dst. The result is a
+:class:`MergePlan`, which unpacks as ``merge, unmerge`` like tomesd's pair of closures.
+
+Layout of a merged item (``N`` tokens in partition order: ``Ns`` src then ``Nd`` dst; ``r`` merged)::
+
+    merged row:   0 ........ Ns-r-1 | Ns-r ........ Ns-r+Nd-1
+    holds:        unmerged src       | dst (each the mean of itself and the src merged into it)
+
+The merge is one ``index_add`` of the weighted rows. On a CPU it adds in order; on a GPU it adds floats with
+atomics (the last bits may change run to run), unless the plan is a :class:`GroupMergePlan` (``deterministic=True``
+on GPU kernels), which sums each group as the difference of two float64 running sums instead.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Iterator, Optional
+
+import paddle
+import paddle.nn.functional as F
+
+from .cache import CACHE
+from .partition import GeneratorLike, cell_count, generator_seed, grid, partition_table
+from .runtime import compute_dtype, device_kind, dtype_name
+from .similarity import best_dst
+
+__all__ = ["GroupMergePlan", "MergePlan", "bipartite_soft_matching_random2d"]
+
+MERGE_MODES = ("mean", "sum")
+
+
+class MergePlan:
+    """How to merge ``[B, N, C]`` tokens to ``[B, N - r, C]`` and back; build one with :meth:`from_matching`.
+
+    Every plan kind of the package has this interface: ``merge(x, mode)``, ``unmerge(y)``, and the attributes
+    ``r`` (tokens removed per item), ``num_tokens`` (N), ``merged_tokens`` (N - r), ``batch_size`` (B, ``-1``
+    while tracing a dynamic batch), ``is_identity`` (``r == 0``: both are identities) and ``kind`` (the kernel
+    family it was built for). It unpacks as ``merge, unmerge = plan``.
+
+    This class applies a plan with two row tables over the ``B*N`` input rows: ``unmerge_rows`` (the merged row
+    each input row ends in) and ``row_scale`` (``1/(1+k)`` for a row of a group of ``1+k``). A plan from global
+    matching also has ``src_pos``/``dst_pos`` (the partition) and ``merged_pos``/``merged_into`` (``[B, r]``: the
+    grid position of each merged src and of the dst it joined).
+
+    >>> import paddle
+    >>> from ppdiffusers_tome.ops.partition import partition_table, step_key
+    >>> x = paddle.randn([2, 16, 8])
+    >>> plan = MergePlan.from_matching(x, partition_table(4, 4, 2, 2, step_key(5), 0, 1)[0], num_src=12, r=6)
+    >>> plan.merged_tokens, list(plan.unmerge(plan.merge(x)).shape)
+    (10, [2, 16, 8])
+    """
+
+    def __init__(self, num_tokens: int, batch_size: int, r: int = 0, kind: str = "cpu", deterministic: bool = False):
+        self.num_tokens = int(num_tokens)
+        self.batch_size = int(batch_size)
+        self.r = max(int(r), 0)
+        self.kind = kind
+        self.deterministic = bool(deterministic)
+        # plain attributes: every block call reads them
+        self.is_identity = self.r <= 0
+        self.merged_tokens = self.num_tokens - self.r
+        self.num_src = 0
+        self.partition: Optional[paddle.Tensor] = None  # [N] grid positions in partition order
+        self.merged_idx: Optional[paddle.Tensor] = None  # [B, r] partition slot of each merged src
+        self.merged_dst: Optional[paddle.Tensor] = None  # [B, r] dst slot it joined
+        self.unmerge_rows: Optional[paddle.Tensor] = None  # [B*N] merged row of every input row
+        self.counts: Optional[paddle.Tensor] = None  # [B*M, 1] float32 group sizes 1 + k
+        self.row_scale: Optional[paddle.Tensor] = None  # [B*N, 1] float32 1 / (1 + k) of every input row
+
+    @classmethod
+    def from_matching(
+        cls, metric: paddle.Tensor, partition: paddle.Tensor, num_src: int, r: int, kind: Optional[str] = None,
+        deterministic: bool = False,
+    ) -> "MergePlan":
+        """Match the src of ``partition`` (``[N]`` grid positions: ``num_src`` src, then the dst) to their most
+        similar dst by cosine similarity of ``metric`` (``[B, N, C]``) and plan the merge of the ``r`` src with the
+        highest similarity into their dst (``0 < r <= num_src``). ``deterministic=True`` on GPU kernels gives a
+        :class:`GroupMergePlan` (no float atomics); the CPU kernels are deterministic either way."""
+        kind = kind or device_kind(metric)
+        plan_type = GroupMergePlan if kind == "gpu" and deterministic else MergePlan
+        num_tokens, batch = int(metric.shape[1]), int(metric.shape[0])
+        plan = plan_type(num_tokens, batch, r, kind, deterministic)
+        plan.partition, plan.num_src = partition, int(num_src)
+        num_dst = num_tokens - num_src
+        with paddle.no_grad():
+            best, best_dst_slot = best_dst(metric.detach(), partition, plan.num_src, kind)
+            # dst rank last (-inf), so one stable sort yields [merged src | kept src | dst]; on a GPU a spare row
+            # keeps Paddle's argsort off its synchronising single-row path
+            pad = [0, 1 if kind == "gpu" else 0, 0, num_dst]
+            order = paddle.argsort(F.pad(best, pad, value=-float("inf")), axis=-1, descending=True, stable=True)
+            if kind == "gpu":
+                order = order[:-1]
+            plan._build(order, best_dst_slot)
+        return plan
+
+    def _build(self, order: paddle.Tensor, best_dst_slot: paddle.Tensor) -> None:
+        """Turn the sorted src slots into the row tables (see the class docstring)."""
+        n, r, kept = self.num_tokens, self.r, self.num_src - self.r
+        m = n - r
+        self.merged_idx = order[:, :r]
+        self.merged_dst = paddle.take_along_axis(best_dst_slot, self.merged_idx, axis=1, broadcast=False)
+        b = _batch_tables(self.batch_size, n, m, kept, order)
+        # input rows in sorted order per item: [merged src | kept src | dst]
+        rows = paddle.take_along_axis(self.partition + b["off_n"], order, axis=1, broadcast=False).reshape([-1])
+        # ... and the merged row of each: its dst's row for a merged src, rows 0 .. M-1 of the item for the rest;
+        # every input row is written exactly once, so the scatter has no conflicts (its own base, not the index:
+        # a static program may write the output in place)
+        ends = paddle.concat([self.merged_dst + b["off_dst"], b["rows_m"]], axis=1).reshape([-1])
+        self.unmerge_rows = paddle.scatter(b["zeros_n"], rows, ends)
+        # group sizes 1 + k, counted with exact float adds of 1 (order-free, so deterministic on any device)
+        self.counts = paddle.index_add(b["zeros_m"], self.unmerge_rows, 0, b["ones_n"])
+        self.row_scale = paddle.gather(paddle.reciprocal(self.counts), self.unmerge_rows)  # exact below 2**24
+        self._build_groups(rows)
+
+    def _build_groups(self, rows: paddle.Tensor) -> None:
+        """Extra tables of a subclass's merge from ``rows`` (``[B*N]``: the input rows in sorted order); none here."""
+
+    # description ------------------------------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[Callable]:
+        return iter((self.merge, self.unmerge))
+
+    def __len__(self) -> int:
+        return 2
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(batch_size={self.batch_size}, num_tokens={self.num_tokens}, r={self.r}, "
+                f"kind={self.kind!r})")
+
+    @property
+    def src_pos(self) -> Optional[paddle.Tensor]:
+        """``[Ns]`` grid positions of the src tokens (None for an identity plan)."""
+        return None if self.partition is None else self.partition[: self.num_src]
+
+    @property
+    def dst_pos(self) -> Optional[paddle.Tensor]:
+        """``[Nd]`` grid positions of the dst tokens (None for an identity plan)."""
+        return None if self.partition is None else self.partition[self.num_src :]
+
+    @property
+    def merged_pos(self) -> Optional[paddle.Tensor]:
+        """``[B, r]`` grid position of every merged src (None for an identity plan)."""
+        if self.merged_idx is None:
+            return None
+        return paddle.take_along_axis(self.partition.unsqueeze(0), self.merged_idx, axis=1)
+
+    @property
+    def merged_into(self) -> Optional[paddle.Tensor]:
+        """``[B, r]`` grid position of the dst each merged src joined (None for an identity plan)."""
+        if self.merged_dst is None:
+            return None
+        return paddle.take_along_axis(self.dst_pos.unsqueeze(0), self.merged_dst, axis=1)
+
+    # application ------------------------------------------------------------------------------------------------
+    def check(self, x: paddle.Tensor, tokens: int, what: str) -> None:
+        """Raise ``ValueError`` unless ``x`` is ``[batch_size, tokens, C]``."""
+        batch = x.shape[0] if x.ndim == 3 else None
+        same_batch = batch == self.batch_size or self.batch_size < 0 or (batch is not None and batch < 0)
+        if x.ndim != 3 or not same_batch or x.shape[1] != tokens:
+            raise ValueError(
+                f"{what} expects a [batch={self.batch_size}, tokens={tokens}, channels] tensor, got shape {list(x.shape)}"
+            )
+
+    def merge(self, x: paddle.Tensor, mode: str = "mean") -> paddle.Tensor:
+        """Merge ``x`` of shape ``[B, N, C]`` into ``[B, N - r, C]``.
+
+        ``mode="mean"`` averages each dst with the src merged into it (the ToMe SD rule); ``"sum"`` adds them.
+        Arithmetic runs in :func:`~ppdiffusers_tome.ops.runtime.compute_dtype`; the result has ``x``'s dtype. The
+        mean is formed as ``dst/(1+k) + sum(src/(1+k))``, a convex combination, so it is finite wherever the inputs
+        are. One ``index_add`` of the (weighted) rows: in row order on a CPU, with float atomics on a GPU (the last
+        bits of a sum may differ run to run; see :class:`GroupMergePlan`).
+        """
+        if mode not in MERGE_MODES:
+            raise ValueError(f"mode must be one of {MERGE_MODES}, got {mode!r}")
+        self.check(x, self.num_tokens, "merge")
+        if self.is_identity:
+            return x
+        channels, work = x.shape[-1], compute_dtype(x.dtype)
+        flat = x.reshape([-1, channels])
+        if dtype_name(x.dtype) != work:
+            flat = flat.astype(work)
+        if mode == "mean":
+            flat = flat * self._row_scale(work)
+        # every input row added onto the merged row it ends in
+        if self.batch_size < 0:  # a dynamic batch while tracing
+            zeros = paddle.zeros([paddle.shape(x)[0] * self.merged_tokens, channels], dtype=work)
+        else:
+            shape = [self.batch_size * self.merged_tokens, channels]
+            zeros = CACHE.get(("zeros", shape[0], channels, work), paddle.zeros, shape, work)
+        out = paddle.index_add(zeros, self.unmerge_rows, 0, flat)
+        return out.astype(x.dtype).reshape([-1, self.merged_tokens, channels])
+
+    def _row_scale(self, work: str) -> paddle.Tensor:
+        """``1/(1+k)`` for every input row, in ``work`` (float64 tokens get float64 weights, not float32 ones)."""
+        if work == "float32":
+            return self.row_scale
+        return paddle.gather(paddle.reciprocal(self.counts.astype(work)), self.unmerge_rows)
+
+    def unmerge(self, y: paddle.Tensor) -> paddle.Tensor:
+        """Map ``y`` of shape ``[B, N - r, C]`` back to ``[B, N, C]``: every token gets the row it was merged into
+        (its own row when it was not merged). One gather; the result has ``y``'s dtype."""
+        self.check(y, self.merged_tokens, "unmerge")
+        if self.is_identity:
+            return y
+        channels = y.shape[-1]
+        flat = y.reshape([-1, channels])
+        work = compute_dtype(y.dtype) if self.kind == "cpu" else dtype_name(y.dtype)
+        if dtype_name(y.dtype) != work:  # Paddle's CPU build has no half-precision gather; the round trip is exact
+            flat = flat.astype(work)
+        out = paddle.gather(flat, self.unmerge_rows)
+        return out.astype(y.dtype).reshape([-1, self.num_tokens, channels])
+
+
+class GroupMergePlan(MergePlan):
+    """A global plan whose merge has no float atomics (``deterministic=True`` on GPU kernels): bit-identical run to
+    run. Each group's sum is the difference of two float64 running sums over the group-ordered sequence (a scan and
+    gathers, a fixed order, a ``[B, Nd + r, C]`` float64 buffer; float64 keeps the difference of two long running
+    sums exact to well below float32 rounding). The unmerge is :class:`MergePlan`'s."""
+
+    def __init__(self, num_tokens: int, batch_size: int, r: int = 0, kind: str = "gpu", deterministic: bool = True):
+        MergePlan.__init__(self, num_tokens, batch_size, r, kind, deterministic)
+        self.group_rows: Optional[paddle.Tensor] = None  # dst and merged src of every item, ordered by group
+        self.group_ends: Optional[paddle.Tensor] = None  # flat position of every group's last member in it
+        self.kept_rows: Optional[paddle.Tensor] = None  # input rows of the kept src
+        self.group_sizes: Optional[paddle.Tensor] = None  # [B, Nd, 1] float64 1 + k
+
+    def _build_groups(self, rows: paddle.Tensor) -> None:
+        """The group tables from ``rows`` (``[B*N]``: the input rows in sorted order, ``[merged src | kept src |
+        dst]`` per item): every item's dst and merged src as one sequence ordered by group (each dst, then the src
+        merged into it, in slot order)."""
+        n, r, num_src = self.num_tokens, self.r, self.num_src
+        num_dst, length = n - num_src, n - num_src + r
+        rows = rows.reshape([-1, n])
+        merged, kept, dst = paddle.split(rows, [r, num_src - r, num_dst], axis=1)
+        g = _group_batch_tables(self.batch_size, num_dst, length, rows)
+        # group key: dst d is 2d, a src merged into d is 2d + 1; a stable sort keeps the src of a group in slot order
+        keys = paddle.concat([g["dst_keys"], paddle.scale(self.merged_dst, 2.0, 1.0)], axis=1)
+        # (a spare row keeps a GPU argsort off its synchronising single-row path)
+        order = paddle.argsort(paddle.concat([keys, g["spare"]], axis=0), axis=-1, stable=True)[:-1]
+        sequence = paddle.take_along_axis(paddle.concat([dst, merged], axis=1), order, axis=1, broadcast=False)
+        sizes = self.counts.reshape([-1, n - r])[:, num_src - r:]  # [B, Nd] float32 1 + k, exact integers
+        ends = paddle.cumsum(sizes, axis=1).astype("int64") + g["last"]  # flat row of each group's last member
+        self.group_rows, self.group_ends = sequence.reshape([-1]), ends.reshape([-1])
+        self.kept_rows, self.group_sizes = kept.reshape([-1]), sizes.astype("float64").unsqueeze(-1)
+
+    def merge(self, x: paddle.Tensor, mode: str = "mean") -> paddle.Tensor:
+        if mode not in MERGE_MODES:
+            raise ValueError(f"mode must be one of {MERGE_MODES}, got {mode!r}")
+        self.check(x, self.num_tokens, "merge")
+        if self.is_identity:
+            return x
+        channels = x.shape[-1]
+        num_dst, kept = self.num_tokens - self.num_src, self.num_src - self.r
+        flat = x.reshape([-1, channels])
+        sequence = paddle.gather(flat, self.group_rows).astype("float64").reshape([-1, num_dst + self.r, channels])
+        running = paddle.cumsum(sequence, axis=1).reshape([-1, channels])
+        del sequence
+        totals = paddle.gather(running, self.group_ends).reshape([-1, num_dst, channels])  # through each group's end
+        del running
+        sums = totals - F.pad(totals[:, :-1], [0, 0, 1, 0, 0, 0])  # minus the total through the previous group
+        out = sums / self.group_sizes if mode == "mean" else sums
+        out = out.astype(x.dtype)
+        if kept == 0:
+            return out
+        return paddle.concat([paddle.gather(flat, self.kept_rows).reshape([-1, kept, channels]), out], axis=1)
+
+
+# per-batch tables ----------------------------------------------------------------------------------------------------
+def _batch_tables(batch: int, num_tokens: int, merged_tokens: int, kept: int, like: paddle.Tensor) -> Dict[str, Any]:
+    """Row tables a plan of ``batch`` items needs: ``off_n`` (first row of each item in the input), ``off_dst``
+    (row of each item's first dst in the merged output), ``rows_m`` (``[B, M]``: every merged row), and constant
+    columns for the scatter and the group counts. Cached per batch size in eager mode; built from the tensor's
+    runtime shape while tracing (a dynamic batch is ``-1`` there)."""
+    if batch < 0:
+        return _build_batch_tables(paddle.shape(like)[0], num_tokens, merged_tokens, kept)
+    return CACHE.get(("batch", batch, num_tokens, merged_tokens, kept), _build_batch_tables, batch, num_tokens,
+                     merged_tokens, kept)
+
+
+def _build_batch_tables(count: Any, num_tokens: int, merged_tokens: int, kept: int) -> Dict[str, Any]:
+    items = paddle.arange(count, dtype="int64").unsqueeze(-1)
+    return {
+        "off_n": items * num_tokens,
+        "off_dst": items * merged_tokens + kept,
+        "rows_m": paddle.arange(merged_tokens, dtype="int64").unsqueeze(0) + items * merged_tokens,
+        "zeros_n": paddle.zeros([count * num_tokens], dtype="int64"),
+        "zeros_m": paddle.zeros([count * merged_tokens, 1], dtype="float32"),
+        "ones_n": paddle.ones([count * num_tokens, 1], dtype="float32"),
+    }
+
+
+def _group_batch_tables(batch: int, num_dst: int, length: int, like: paddle.Tensor) -> Dict[str, Any]:
+    """Per-batch tables of the group merge: ``dst_keys`` (``[B, Nd]``: ``2d``), a ``spare`` key row, and ``last``
+    (``[B, 1]``: ``b * length - 1``, turning an item's group end count into a flat row)."""
+    if batch < 0:
+        return _build_group_tables(paddle.shape(like)[0], num_dst, length)
+    return CACHE.get(("groups", batch, num_dst, length), _build_group_tables, batch, num_dst, length)
+
+
+def _build_group_tables(count: Any, num_dst: int, length: int) -> Dict[str, Any]:
+    keys = paddle.arange(num_dst, dtype="int64").unsqueeze(0) * 2
+    return {
+        "dst_keys": paddle.tile(keys, [count, 1]),
+        "spare": paddle.zeros([1, length], dtype="int64"),
+        "last": paddle.arange(count, dtype="int64").unsqueeze(-1) * length - 1,
+    }
+
+
+def bipartite_soft_matching_random2d(
+    metric: paddle.Tensor,
+    w: int,
+    h: int,
+    sx: int,
+    sy: int,
+    r: int,
+    no_rand: bool = False,
+    generator: GeneratorLike = None,
+    partition: Optional[paddle.Tensor] = None,
+    kind: Optional[str] = None,
+    deterministic: bool = False,
+) -> MergePlan:
+    """Plan the merge of ``r`` src tokens into their most similar dst tokens (ToMe SD, Bolya & Hoffman 2023).
+
+    Args:
+        metric: ``[B, N, C]`` tokens whose cosine similarity decides the matching (``N == h * w``). Any float
+            dtype; similarity is computed scale-free, in float32 on CPU kernels and in the tokens' own dtype on GPU
+            kernels; tokens that are all zero or not finite count as zero vectors (similarity 0), never NaN.
+        w, h: the token grid, row-major.
+        sx, sy: stride of the dst grid: one dst per ``sy x sx`` cell. A cell larger than the grid means no dst,
+            and an identity plan at no cost.
+        r: src tokens to merge per batch item; capped at the number of src tokens; ``r <= 0`` gives identities.
+        no_rand: take the top-left token of each cell as dst instead of a random one.
+        generator: int seed or numpy Generator that keys the random dst choice (Paddle's global RNG is never used);
+            ``None`` draws fresh OS entropy. The partition is shared by the whole batch.
+        partition: a precomputed ``[N]`` row of :func:`~ppdiffusers_tome.ops.partition.partition_table`
+            (overrides ``no_rand``/``generator``); this is how the model glue passes partitions drawn on the device.
+        kind: ``"cpu"`` or ``"gpu"`` kernels; default from ``metric``'s place.
+        deterministic: on GPU kernels, merge without float atomics (:class:`GroupMergePlan`).
+
+    Returns:
+        A :class:`MergePlan`; ``merge, unmerge = bipartite_soft_matching_random2d(...)`` works.
+
+    Example:
+        >>> import paddle
+        >>> x = paddle.randn([2, 64, 16])
+        >>> merge, unmerge = bipartite_soft_matching_random2d(x, w=8, h=8, sx=2, sy=2, r=32, generator=0)
+        >>> list(merge(x).shape), list(unmerge(merge(x)).shape)
+        ([2, 32, 16], [2, 64, 16])
+    """
+    if metric.ndim != 3:
+        raise ValueError(f"metric must be [batch, tokens, channels], got shape {list(metric.shape)}")
+    batch, num_tokens = int(metric.shape[0]), int(metric.shape[1])
+    if h * w != num_tokens:
+        raise ValueError(f"h * w must equal the token count: {h} * {w} != {num_tokens}")
+    if sx < 1 or sy < 1:
+        raise ValueError(f"sx and sy must be >= 1, got sx={sx}, sy={sy}")
+    num_dst = cell_count(h, w, sx, sy)
+    r = min(int(r), num_tokens - num_dst)
+    if num_dst == 0 or r <= 0:
+        return MergePlan(num_tokens, batch)
+    if partition is None:
+        if no_rand:
+            partition = grid(int(h), int(w), int(sx), int(sy)).tensors()["top_left"]
+        else:
+            step = paddle.full([], 0, dtype="int64")
+            partition = partition_table(h, w, sx, sy, step, generator_seed(generator), 1)[0]
+    return MergePlan.from_matching(metric, partition, num_tokens - num_dst, r, kind, deterministic)

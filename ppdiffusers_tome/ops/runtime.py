@@ -1,0 +1,129 @@
+"""Which kernels the merge core runs (the CPU or the GPU family), whether it is being traced, and dtype names.
+
+The two kernel families compute the same plans; they differ where a GPU and a CPU disagree on what is cheap (see
+:func:`device_kind`). The family follows the tensors' place; :func:`force_kernels` overrides it for a block of code,
+which is how the GPU family's logic is tested and counted on a machine without a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any, Iterator, Optional
+
+import paddle
+
+__all__ = ["KINDS", "compute_dtype", "converting", "device_kind", "dtype_name", "force_kernels", "forced_kernels",
+           "tracing"]
+
+KINDS = ("cpu", "gpu")
+LOW_PRECISION = ("float16", "bfloat16")
+
+_forced: Optional[str] = None  # written only by force_kernels, under _forced_lock
+_forced_lock = threading.Lock()
+
+
+def dtype_name(dtype: Any) -> str:
+    """``"float32"`` for ``paddle.float32`` (and for the string itself)."""
+    return str(dtype).replace("paddle.", "")
+
+
+def compute_dtype(dtype: Any) -> str:
+    """The dtype in which merge arithmetic runs for activations of ``dtype``: float16 and bfloat16 are promoted to
+    float32 (a mean over many tokens loses precision in half types, and Paddle's CPU build has no half-precision
+    gather); every other dtype is kept.
+
+    >>> import paddle
+    >>> compute_dtype(paddle.float16), compute_dtype(paddle.float32)
+    ('float32', 'float32')
+    """
+    name = dtype_name(dtype)
+    return "float32" if name in LOW_PRECISION else name
+
+
+try:
+    from paddle.base.dygraph.base import in_sot_simulation_mode as _in_sot_simulation
+    from paddle.base.dygraph.base import in_to_static_mode as _in_to_static
+except ImportError:  # pragma: no cover - older Paddle
+    _in_sot_simulation = _in_to_static = None
+
+
+def tracing() -> bool:
+    """Whether this code is being converted to a static graph (``paddle.jit.to_static``) rather than run eagerly.
+
+    In the default SOT mode Paddle simulates the bytecode and answers ``in_sot_simulation_mode()`` with True; the
+    functions are imported once at module level, since an ``import`` statement inside the simulation breaks the
+    graph and would run this check natively (where it says False)."""
+    if not paddle.in_dynamic_mode():
+        return True
+    if _in_to_static is None:  # pragma: no cover - older Paddle
+        return False
+    return bool(_in_to_static() or _in_sot_simulation())
+
+
+def converting() -> bool:
+    """Whether this call runs under ``paddle.jit.to_static`` in any form: traced (:func:`tracing`), or run as plain
+    Python inside a call that Paddle's SOT mode is translating (the parts it cannot trace, after a graph break, run
+    eagerly on real tensors, where :func:`tracing` says False)."""
+    if tracing():
+        return True
+    try:
+        from paddle.jit.sot.utils.utils import StepInfoManager
+    except ImportError:  # pragma: no cover - Paddle without SOT
+        return False
+    return getattr(StepInfoManager(), "current_code", None) is not None
+
+
+def forced_kernels() -> Optional[str]:
+    """The kernel family :func:`force_kernels` currently imposes, or None (the tensors' place decides)."""
+    return _forced
+
+
+@contextlib.contextmanager
+def force_kernels(kind: Optional[str]) -> Iterator[None]:
+    """Run the merge core with ``kind``'s kernels (``"cpu"`` or ``"gpu"``) inside the ``with`` block, whatever the
+    tensors' place, in every thread; ``None`` lets the place decide. The previous setting comes back on exit, so
+    blocks nest. ``ppdiffusers_tome.testing.gpu_kernels()`` is this with ``"gpu"``.
+
+    >>> import paddle
+    >>> with force_kernels("gpu"):
+    ...     device_kind(paddle.ones([1]))
+    'gpu'
+    >>> device_kind(paddle.ones([1]))
+    'cpu'
+    """
+    global _forced
+    if kind is not None and kind not in KINDS:
+        raise ValueError(f"kind must be None or one of {KINDS}; got {kind!r}")
+    with _forced_lock:
+        previous, _forced = _forced, kind
+    try:
+        yield
+    finally:
+        with _forced_lock:
+            _forced = previous
+
+
+def device_kind(x: Any = None) -> str:
+    """``"gpu"`` when ``x`` lives on a GPU (or, while tracing, when the program will run on one), else ``"cpu"``;
+    :func:`force_kernels` takes precedence.
+
+    The GPU family differs in four places: the matching (unit rows and similarity in the tokens' own dtype, fewer
+    kernels), the unmerge gather (no float32 round trip for half dtypes), the sort (at least two rows, so Paddle
+    never takes its synchronising single-row Thrust path) and the ``deterministic`` merge (a scan instead of
+    ``index_add``'s float atomics; a CPU adds in order anyway).
+
+    >>> import paddle
+    >>> device_kind(paddle.ones([1]))
+    'cpu'
+    """
+    if _forced is not None:
+        return _forced
+    place = getattr(x, "place", None)
+    check = getattr(place, "is_gpu_place", None)
+    if callable(check):
+        try:
+            return "gpu" if check() else "cpu"
+        except Exception:  # pragma: no cover - a place that cannot answer
+            pass
+    return "gpu" if paddle.is_compiled_with_cuda() and str(paddle.device.get_device()).startswith("gpu") else "cpu"

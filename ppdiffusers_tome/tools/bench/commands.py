@@ -1,0 +1,282 @@
+"""The bodies of the ``demo`` and ``bench`` commands. :mod:`ppdiffusers_tome.tools.cli` parses the command
+line and imports this module only when it runs a command, since it imports Paddle and ppdiffusers.
+
+``demo`` and ``bench`` share their set-up (:func:`prepare`: validate the ratios and dtype, refuse a resolution
+whose attention cannot fit, set the threads, load the model) and their engine: the demo is one resolution and one
+image per call of the :class:`~ppdiffusers_tome.tools.bench.Runner`, plus the decoded images for its PNG grid."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any, Dict, Iterator, List, Sequence, Tuple
+
+from .. import presets
+from ...api import GPU_INSTALL_HINT
+from ...config import ToMeConfig
+from ..images import save_png
+from ..measure import environment, on_gpu, set_threads
+from ..progress import ProgressBar
+from .demo import DEMO_LEGEND, demo_grid, demo_label, demo_rows, first_image, format_demo_table, noise_warning, \
+    single_run_note, unstable_runs
+from .devices import Device, default_device, is_out_of_memory, select_device
+from .inputs import pipeline_kwargs
+from .methods import BenchSettings, Method, method_list
+from .plots import write_plots
+from .report import TWIN_LEGEND, format_details, format_grid_table, format_pareto, format_time_split, merges_nothing, \
+    record, save_json
+from .runner import Runner, grid_steps, run_grid
+from .timesplit import time_split
+
+logger = logging.getLogger(__name__)
+
+
+# shared set-up ---------------------------------------------------------------------------------------------------
+SHAPES_MODEL = "shapes"  # --model shapes: the trained model shipped in the package
+
+
+def resolve_model(args: argparse.Namespace) -> bool:
+    """Put the shipped shapes model's folder in ``args.model`` when it is asked for (``--model shapes``, unless a
+    folder of that name exists) or, for ``demo``, when neither ``--model`` nor ``--preset`` is given; then fill the
+    demo's unset ``--prompt``, ``--steps`` and ``--guidance-scale`` for the model that runs. Returns whether it is
+    the shapes model."""
+    from .. import shapes as shipped
+
+    demo = getattr(args, "command", None) == "demo"
+    wanted = args.model == SHAPES_MODEL and not os.path.isdir(SHAPES_MODEL)
+    wanted = wanted or (demo and not args.model and not args.preset)
+    if wanted:
+        if not shipped.has_weights():
+            raise ValueError(f"--model shapes: the trained weights are missing from {shipped.MODEL_DIR} (a partial "
+                             "install?); name a --preset or a --model folder")
+        args.model = shipped.pipeline_folder()
+    if demo:
+        args.prompt = args.prompt or (shipped.DEMO_PROMPT if wanted else BenchSettings.prompt)
+        args.steps = args.steps or (shipped.DEMO_STEPS if wanted else 8)
+        if args.guidance_scale is None and wanted:
+            args.guidance_scale = shipped.DEMO_GUIDANCE
+    return wanted
+
+
+def check_dtype(dtype: str) -> None:
+    """Refuse half precision without a GPU (Paddle's CPU build has no half-precision matmul)."""
+    if dtype != "float32" and not on_gpu():
+        raise ValueError(f"--dtype {dtype} needs a GPU: Paddle's CPU build has no half-precision matmul. On a CPU, "
+                         f"leave --dtype at float32 (the default); for half precision, {GPU_INSTALL_HINT}")
+
+
+def model_layout(args: argparse.Namespace) -> Tuple[Any, int, str]:
+    """``(layout, default resolution, label)`` of the model a demo or bench run will build, read from the preset's
+    config or the folder's ``unet/config.json`` without building anything (layout ``None``: not a UNet)."""
+    if args.model:
+        layout = presets.folder_layout(args.model)
+        sample = layout[0].get("sample_size") if layout else None
+        default = sample * layout[1] if isinstance(sample, int) else 512
+        return layout, default, f"model {args.model}"
+    return presets.preset_layout(args.preset), presets.default_resolution(args.preset), f"preset {args.preset!r}"
+
+
+@dataclass
+class Prepared:
+    """A loaded model, ready to measure: the pipeline, where it came from, and the CPU threads set."""
+
+    pipe: Any
+    source: str
+    threads: int
+
+
+def prepare(args: argparse.Namespace, dtype: str, resolutions: Sequence[int], images: int, option: str,
+            device: Device) -> Prepared:
+    """The set-up that ``demo`` and ``bench`` share, every check before anything is built: ``--ratios`` (with
+    ``--max-downsample``), ``dtype``, and, on CPU, whether the run's largest self-attention fits in the memory
+    available (``images`` per call, ``option`` names the resolution option in the refusal; on a GPU a too large
+    attention raises Paddle's out-of-memory error instead). Then the threads, and the model is loaded."""
+    for ratio in args.ratios:  # validate every ratio before spending minutes on vanilla runs
+        ToMeConfig(ratio=ratio, max_downsample=args.max_downsample)
+    check_dtype(dtype)
+    if device.name != "gpu":
+        layout, _, label = model_layout(args)
+        presets.check_attention_memory(layout, resolutions, images, dtype, label, option)
+    threads = set_threads(args.threads)
+    if args.model:
+        logger.info("loading the pipeline in %s ...", args.model)
+        pipe, source = presets.load_local_pipeline(args.model, dtype=dtype), os.path.abspath(args.model)
+        if source == os.path.abspath(_shipped_folder()):
+            source = "shapes model (trained, shipped in the package)"
+    else:
+        logger.info("building preset %s with random weights (its images are noise) ...", args.preset)
+        pipe = presets.preset_pipeline(args.preset, seed=args.seed, dtype=dtype)
+        source = f"preset:{args.preset} (random weights)"
+    return Prepared(pipe, source, threads)
+
+
+def _shipped_folder() -> str:
+    from ..shapes import pipeline_folder
+
+    return pipeline_folder()
+
+
+@contextlib.contextmanager
+def step_bar(pipe, steps: int, desc: str) -> Iterator[ProgressBar]:
+    """A progress bar on stderr that advances with every denoiser forward of ``pipe`` (one per step with
+    classifier-free guidance batched), while the ``with`` block runs."""
+    bar = ProgressBar(total=steps, desc=desc, unit="steps")
+    denoiser = getattr(pipe, "unet", None)
+    denoiser = denoiser if denoiser is not None else getattr(pipe, "transformer", None)
+    handle = denoiser.register_forward_post_hook(lambda *_: bar.update()) if denoiser is not None else None
+    try:
+        yield bar
+    finally:
+        if handle is not None:
+            handle.remove()
+        bar.close()
+
+
+# demo --------------------------------------------------------------------------------------------------------------
+def measure_demo(prepared: Prepared, args: argparse.Namespace, size: int) -> Tuple[List[Dict[str, Any]], List[Any]]:
+    """Vanilla and ToMe at every ``--ratios`` value, interleaved, at ``size`` px and one image per call, after
+    one 1-step warm-up call: the demo's result rows, and the first image of each method's last run."""
+    pipe = prepared.pipe
+    logger.info("warming up (%s, %dx%d)", prepared.source, size, size)
+    with step_bar(pipe, 1, "warm-up"):
+        pipe(**pipeline_kwargs(pipe, size, 1, 1, args.seed, args.prompt, args.guidance_scale))
+    settings = BenchSettings(resolutions=[size], ratios=args.ratios, methods=("vanilla", "tome"), steps=args.steps,
+                             repeats=args.repeats, warmup=0, max_downsample=args.max_downsample, seed=args.seed,
+                             prompt=args.prompt, guidance_scale=args.guidance_scale, count_ops=False)
+    methods = [Method("vanilla")] + [Method("tome", float(r)) for r in args.ratios]
+
+    def bar(method: Method, repeat: int):
+        return step_bar(pipe, args.steps, f"{demo_label(method.name, method.ratio)} run {repeat + 1}/{args.repeats}")
+
+    runner = Runner(pipe, settings, around_run=bar)
+    cells = runner.run_cell(size, 1, methods)
+    failed = [f"{c.label}: {c.status} ({c.reason})" for c in cells if c.status != "ok"]
+    if failed:
+        raise RuntimeError(f"the demo could not measure {'; '.join(failed)}")
+    return demo_rows(cells, runner.outputs), [first_image(runner.outputs[c.label]) for c in cells]
+
+
+def _runs(repeats: int) -> str:
+    return "ONE timed run per configuration" if repeats == 1 else f"median of {repeats} timed runs"
+
+
+def run_demo(args: argparse.Namespace) -> Dict[str, Any]:
+    """``ppdiffusers-tome demo``: table on stdout, ``demo.png`` and ``results.json`` in ``--output``."""
+    device = default_device()
+    shapes = resolve_model(args)
+    size = args.resolution or model_layout(args)[1]
+    prepared = prepare(args, args.dtype, [size], 1, "--resolution", device)
+    rows, images = measure_demo(prepared, args, size)
+    os.makedirs(args.output, exist_ok=True)
+    png = os.path.join(args.output, "demo.png")
+    demo_grid(rows, images).save(png)
+    settings = {"resolution": size, "steps": args.steps, "repeats": args.repeats, "seed": args.seed,
+                "prompt": args.prompt, "guidance_scale": args.guidance_scale, "max_downsample": args.max_downsample,
+                "batch_size": 1}
+    notes = [text for text in (single_run_note(rows), noise_warning(rows)) if text]
+    if any(row.get("merges_nothing") for row in rows):
+        notes.insert(0, TWIN_LEGEND)
+    data = {
+        "command": "demo",
+        "source": prepared.source,
+        "environment": environment(prepared.threads, args.dtype),
+        "settings": settings,
+        "results": rows,
+        "unstable_runs": unstable_runs(rows),  # (each row's "speedup_range" says how far the noise reaches)
+        "warnings": notes,  # what the output printed under the table: one run, noisy runs, twins of vanilla
+        "png": png,
+    }
+    path = os.path.join(args.output, "results.json")
+    save_json(data, path)  # (PSNR of vanilla is inf: written as the string "inf", keeping the file valid JSON)
+    env = data["environment"]
+    warning = "".join(text + "\n" for text in notes)
+    if shapes:
+        about = (f"The shapes model is small: at {size}x{size} px its finest attention holds {(size // 2) ** 2} tokens, "
+                 "where merging saves little time. It is here for the images; for speed, run a full-size preset "
+                 "(bash run.sh demo --preset sd15-narrow) or bench.\n")
+    else:
+        about = "" if args.model else "The images are noise: a preset has random weights (use --model for real images).\n"
+    sys.stdout.write(
+        f"ToMe demo: {prepared.source}, {size}x{size}, {args.steps} steps, {env['dtype']} on {env['device']} "
+        f"({prepared.threads} threads), {_runs(args.repeats)}\nprompt: {args.prompt!r}\n"
+        f"{format_demo_table(rows)}\n{DEMO_LEGEND}\n{warning}{about}wrote {png} and {path}\n"
+    )
+    return data
+
+
+# bench -------------------------------------------------------------------------------------------------------------
+def bench_settings(args: argparse.Namespace) -> BenchSettings:
+    """The settings of a ``bench`` command line (``--compare-builtin`` adds the ``builtin`` method)."""
+    methods = list(args.methods) + (["builtin"] if args.compare_builtin and "builtin" not in args.methods else [])
+    return BenchSettings(
+        resolutions=args.resolutions or [model_layout(args)[1]], batch_sizes=args.batch_sizes, ratios=args.ratios,
+        methods=methods, variants=list(args.variants), steps=args.steps, repeats=args.repeats,
+        warmup=max(args.warmup, 0), max_downsample=args.max_downsample, unet_only=args.unet_only, seed=args.seed,
+        count_ops=not args.no_op_count,
+    )
+
+
+def measure_time_splits(pipe, settings: BenchSettings, device: Device) -> Dict[str, Dict[str, float]]:
+    """The time split of vanilla, ToMe at every ratio and (when measured) the built-in port, at the first
+    resolution and batch size; a configuration that runs out of memory is left out."""
+    size, batch = settings.resolutions[0], settings.batch_sizes[0]
+    methods = [Method("vanilla")] + [Method("tome", r) for r in settings.ratios]
+    if "builtin" in settings.methods:
+        methods += [Method("builtin", r) for r in settings.ratios]
+    split: Dict[str, Dict[str, float]] = {}
+    for method in methods:
+        try:
+            split[method.label] = time_split(pipe, settings, size, batch, method, device=device)
+        except Exception as error:  # noqa: BLE001
+            if not is_out_of_memory(error):
+                raise
+            logger.warning("time split of %s skipped: out of memory", method.label)
+    return split
+
+
+def bench_summary(data: Dict[str, Any], cells, settings: BenchSettings, path: str) -> str:
+    """The text ``bench`` prints: a heading, the grid, the details, the Pareto table and the time split."""
+    env, split = data["environment"], data["time_split"]
+    kind = "one denoiser forward" if settings.unet_only else f"{settings.steps}-step pipeline call"
+    lines = [
+        f"ToMe bench: {data['source']}, {kind}, {env['dtype']} on {env['device']} ({env['threads']} threads), "
+        f"{_runs(settings.repeats)}",
+        "seconds per image (speed-up vs vanilla):",
+        format_grid_table(cells, method_list(settings)),
+        "",
+        format_details(cells),
+        "",
+        "speed-up vs fidelity to vanilla (Pareto: no other configuration is both faster and closer):",
+        format_pareto(cells),
+    ]
+    if any(merges_nothing(c) for c in cells):
+        lines.append(TWIN_LEGEND)
+    lines += data.get("warnings", [])
+    if split:
+        lines += ["", format_time_split(split)]
+    lines.append(f"wrote {path}" + (f" and {len(data['plots'])} plots" if data["plots"] else ""))
+    return "\n".join(lines) + "\n"
+
+
+def run_bench(args: argparse.Namespace) -> Dict[str, Any]:
+    """``ppdiffusers-tome bench``: tables on stdout, ``results.json`` and plots in ``--output``."""
+    device = select_device(args.device)  # a CPU-only build refuses --device gpu here, before anything is built
+    dtype = args.dtype or ("float16" if device.name == "gpu" else "float32")
+    resolve_model(args)  # --model shapes
+    settings = bench_settings(args)
+    method_list(settings)  # (parses and validates --variants)
+    prepared = prepare(args, dtype, settings.resolutions, max(settings.batch_sizes), "--resolutions", device)
+    with ProgressBar(total=grid_steps(settings), desc="bench", unit="runs") as bar:
+        cells = run_grid(prepared.pipe, settings, progress=lambda: bar.update(1), device=device)
+    split = {} if args.no_time_split else measure_time_splits(prepared.pipe, settings, device)
+    os.makedirs(args.output, exist_ok=True)
+    data = record(cells, settings, prepared.source, prepared.threads, dtype, split)
+    data["plots"] = [] if args.no_plots else write_plots(cells, split, args.output)
+    path = os.path.join(args.output, "results.json")
+    save_json(data, path)
+    sys.stdout.write(bench_summary(data, cells, settings, path))
+    return data

@@ -1,0 +1,135 @@
+"""Reporting the ``demo`` command (one pipeline, vanilla and ToMe at one resolution, measured by the
+:class:`~ppdiffusers_tome.tools.bench.Runner`): its result rows (:func:`demo_rows`), table (:func:`format_demo_table`)
+and legend, the PNG grid of images (:func:`image_grid`), and the warning when its timed runs were noisy
+(:func:`noise_warning`)."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence
+
+import numpy as np
+from PIL import Image
+
+from ..images import side_by_side
+from ..measure import median, render_table
+from .report import merges_nothing, single_run_text, speedup_label, speedup_range, spread_warning, unstable
+from .runner import Cell, RunOutputs
+
+MIB = 1024.0 * 1024.0
+
+DEMO_LEGEND = (
+    "s/image: one pipeline call; UNet s/call: median UNet forward; speed-up: vanilla's s/image over the row's\n"
+    "peak MiB: the most memory the process held during the call (resident set on CPU, Paddle's allocated bytes on "
+    "GPU)\n"
+    "added MiB: that peak minus what the process already held before the call (the call's own working memory)\n"
+    "max |diff|: largest pixel difference to vanilla, pixels in 0..1; PSNR dB: against vanilla, higher is closer "
+    "(inf: identical)"
+)
+
+
+def demo_label(method: str, ratio: float) -> str:
+    """``"vanilla"`` or ``"ToMe 0.50"``: how the demo names a row."""
+    return "vanilla" if method == "vanilla" else f"ToMe {ratio:.2f}"
+
+
+def first_image(outputs: RunOutputs) -> np.ndarray:
+    """The first decoded image of a method's last timed run (float64, pixels in 0..1)."""
+    return outputs.images[0]
+
+
+def demo_rows(cells: Sequence[Cell], outputs: Dict[str, RunOutputs]) -> List[Dict[str, Any]]:
+    """The demo's result rows from a one-resolution, batch-1 run of the runner (``cells[0]`` is vanilla). The UNet
+    time is the median of every forward of every timed run (the first forward of each left out)."""
+    reference = first_image(outputs[cells[0].label])
+    rows = []
+    for cell in cells:
+        kept = outputs[cell.label]
+        rows.append({
+            "method": cell.method,
+            "ratio": cell.ratio,
+            "seconds_per_image": cell.seconds_per_image,
+            "unet_seconds": median([t for run in kept.forward_seconds for t in run]),
+            "speedup": cell.speedup,
+            "peak_memory_bytes": cell.peak_memory_bytes,
+            "added_memory_bytes": cell.added_memory_bytes,
+            "memory_kind": cell.memory_kind,
+            "max_abs_diff": float(np.abs(first_image(kept) - reference).max()),
+            "psnr_db": cell.psnr_db,
+            "runs_seconds": list(cell.runs_seconds),
+            "speedup_range": list(speedup_range(cells[0].runs_seconds, cell.runs_seconds)),
+            "merges_nothing": merges_nothing(cell),  # vanilla's twin: its speed-up is shown as "= vanilla"
+        })
+    return rows
+
+
+def _speedup(row: Dict[str, Any]) -> str:
+    one_run = row["method"] != "vanilla" and len(row["runs_seconds"]) == 1
+    return speedup_label(row["speedup"], one_run, bool(row.get("merges_nothing")))
+
+
+def single_run_note(rows: Sequence[Dict[str, Any]]) -> Optional[str]:
+    """The note under the table when every speed-up comes from one timed run (``--repeats 1``), else ``None``.
+
+    >>> single_run_note([{"method": "vanilla", "runs_seconds": [1.0]}, {"method": "tome", "runs_seconds": [0.9]}])[:40]
+    'NOTE: one timed run per method (--repeat'
+    """
+    if not any(row["method"] != "vanilla" and len(row["runs_seconds"]) == 1 for row in rows):
+        return None
+    return single_run_text("method", "(the default) or more")
+
+
+def format_demo_table(rows: List[Dict[str, Any]]) -> str:
+    """The demo's table: one row per method with time, speed-up, memory and difference to vanilla."""
+    header = ["method", "ratio", "s/image", "UNet s/call", "speed-up", "peak MiB", "added MiB", "max |diff|", "PSNR dB"]
+    lines = [header]
+    for row in rows:
+        lines.append(
+            [
+                row["method"],
+                f"{row['ratio']:.2f}",
+                f"{row['seconds_per_image']:.2f}",
+                f"{row['unet_seconds']:.3f}",
+                _speedup(row),
+                f"{row['peak_memory_bytes'] / MIB:.0f}",
+                f"{row['added_memory_bytes'] / MIB:.0f}",
+                f"{row['max_abs_diff']:.4f}",
+                "inf" if row["psnr_db"] == float("inf") else f"{row['psnr_db']:.1f}",
+            ]
+        )
+    return render_table(lines)
+
+
+def image_grid(tiles: Sequence[np.ndarray], labels: Sequence[str]) -> Image.Image:
+    """The images side by side (pixels in 0..1), each under its label: :func:`~ppdiffusers_tome.figure.side_by_side`,
+    so images smaller than :data:`~ppdiffusers_tome.figure.MIN_TILE` px are enlarged (nearest neighbour) and the
+    labels stay readable."""
+    images = [Image.fromarray((np.clip(tile, 0, 1) * 255).round().astype("uint8")) for tile in tiles]
+    return side_by_side(images, labels)
+
+
+def demo_grid(rows: Sequence[Dict[str, Any]], images: Sequence[np.ndarray]) -> Image.Image:
+    """Vanilla's image, each ratio's, and the difference of the last one to vanilla (x4), labelled."""
+    diff = np.clip(np.abs(images[-1] - images[0]) * 4.0, 0, 1)
+    labels = [demo_label(r["method"], r["ratio"]) for r in rows] + [f"|diff| x4 ({rows[-1]['ratio']:.2f})"]
+    return image_grid(list(images) + [diff], labels)
+
+
+def unstable_runs(rows: Sequence[Dict[str, Any]], tolerance: float = 0.25) -> List[str]:
+    """The rows whose timed runs spread by more than ``tolerance`` of their median (``(max - min) / median``),
+    as ``"vanilla 1.00-4.00 s"``. Non-empty means the machine was busy while the demo ran.
+
+    >>> unstable_runs([{"method": "vanilla", "ratio": 0.0, "runs_seconds": [1.0, 1.1, 4.0]},
+    ...                {"method": "tome", "ratio": 0.5, "runs_seconds": [0.5, 0.52, 0.51]}])
+    ['vanilla 1.00-4.00 s']
+    """
+    return unstable([(demo_label(row["method"], row["ratio"]), row["runs_seconds"]) for row in rows], tolerance)
+
+
+def noise_warning(rows: Sequence[Dict[str, Any]], tolerance: float = 0.25) -> Optional[str]:
+    """A warning for the demo's output when its timed runs varied by more than ``tolerance`` (see
+    :func:`unstable_runs` and :func:`~ppdiffusers_tome.tools.bench.report.spread_warning`): the range each speed-up
+    could take judged by single runs, and whether that range includes 1.00x (then the speed-up is not
+    meaningful). ``None`` when the runs agree. ``rows[0]`` is vanilla."""
+    named = [(demo_label(row["method"], row["ratio"]), row["runs_seconds"]) for row in rows]
+    ranged = [name for (name, _), row in zip(named[1:], rows[1:]) if not row.get("merges_nothing")]
+    return spread_warning(named, tolerance, ranged=ranged)

@@ -1,0 +1,234 @@
+"""What the benchmark measures: the methods and ``--variants`` (:class:`Method`), the settings of a run
+(:class:`BenchSettings`) and the list of configurations they expand to (:func:`method_list`), and how each one is
+put in place on a pipeline (:func:`configure`), including the zero-overhead ``bound``."""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence
+
+import paddle
+
+from ... import api
+from ...config import ToMeConfig
+from ...patch import ModelPatch
+from ...planner import Planner
+
+ALL_METHODS = ("vanilla", "tome", "tome-efficient", "todo", "todo-efficient", "builtin", "bound")
+RATIO_FREE = ("vanilla", "todo", "todo-efficient")  # methods that do not run once per --ratios value
+APPLIED = ("tome", "tome-efficient", "todo", "todo-efficient")  # methods that are this package's apply_tome
+_SHORT_OPTION = {"downsample_factor": "f", "downsample_mode": "mode", "recompute_every": "k", "max_downsample": "level"}
+
+
+# the zero-overhead bound ------------------------------------------------------------------------------------------
+class TruncationPlan:
+    """Keep the first ``N - r`` tokens, pad the output back with zeros: the cost of running attention on fewer
+    tokens with no matching at all. Same interface as :class:`ppdiffusers_tome.merge.MergePlan`."""
+
+    def __init__(self, num_tokens: int, batch_size: int, r: int):
+        self.num_tokens, self.batch_size, self.r = num_tokens, batch_size, r
+        self.is_identity = r <= 0
+
+    def merge(self, x: paddle.Tensor, mode: str = "mean") -> paddle.Tensor:
+        return x[:, : self.num_tokens - self.r]
+
+    def unmerge(self, y: paddle.Tensor) -> paddle.Tensor:
+        pad = paddle.zeros([y.shape[0], self.r, y.shape[2]], dtype=y.dtype)
+        return paddle.concat([y, pad], axis=1)
+
+
+class BoundPlanner(Planner):
+    """ToMe's level selection, with the matching replaced by :class:`TruncationPlan`."""
+
+    def global_plan(self, block_index: int, hidden: Any, grid_h: int, grid_w: int, r: int) -> TruncationPlan:
+        return TruncationPlan(hidden.shape[1], hidden.shape[0], r)
+
+
+class BoundPatch(ModelPatch):
+    """ToMe's hooks, with :class:`BoundPlanner` deciding every block's plan."""
+
+    planner_type = BoundPlanner
+
+
+# methods ---------------------------------------------------------------------------------------------------------
+@dataclass
+class Method:
+    """One configuration to measure: a method name, its ratio and extra ``apply_tome`` options."""
+
+    name: str
+    ratio: float = 0.0
+    options: Dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        label = self.name if self.name in RATIO_FREE or "ratio" in self.options else f"{self.name}@{self.ratio:g}"
+        if self.options:
+            parts = []
+            for key, value in self.options.items():
+                text = "-".join(f"{v:g}" for v in value) if isinstance(value, tuple) else str(value)
+                parts.append(f"{_SHORT_OPTION.get(key, key)}={text}".replace(" ", ""))
+            label += "[" + ",".join(parts) + "]"
+        return label
+
+
+@dataclass
+class BenchSettings:
+    """One benchmark run: the grid (resolutions x batch sizes x methods) and how each cell is measured."""
+
+    resolutions: Sequence[int] = (512,)
+    batch_sizes: Sequence[int] = (1,)
+    ratios: Sequence[float] = (0.5,)
+    methods: Sequence[str] = ("vanilla", "tome")
+    variants: Sequence[str] = ()
+    steps: int = 20
+    repeats: int = 3
+    warmup: int = 1
+    max_downsample: Any = "auto"
+    unet_only: bool = False
+    seed: int = 0
+    prompt: str = "a lighthouse on a cliff at sunset, detailed oil painting"
+    guidance_scale: Optional[float] = None  # None: the pipeline's default
+    count_ops: bool = True  # ops/block: one extra denoiser forward per cell and method, profiled
+
+
+def _split_top_level(text: str) -> List[str]:
+    """Split ``a=1,b=(2,3)`` at the commas outside brackets."""
+    parts, depth, current = [], 0, ""
+    for char in text:
+        depth += char in "([{"
+        depth -= char in ")]}"
+        if char == "," and depth == 0:
+            parts.append(current)
+            current = ""
+        else:
+            current += char
+    parts.append(current)
+    return [p.strip() for p in parts if p.strip()]
+
+
+def parse_variant(text: str) -> Method:
+    """``"todo:downsample_factor=4,downsample_mode=average"`` -> a :class:`Method` with those options (validated
+    by :class:`ToMeConfig`). Values are Python literals; bare words are strings.
+
+    >>> parse_variant("tome:recompute_every=5,ratio=(0.6,0.3)").label
+    'tome[k=5,ratio=0.6-0.3]'
+    """
+    name, _, rest = text.partition(":")
+    name = name.strip()
+    if name not in APPLIED:
+        raise ValueError(f"--variants: the method before ':' must be tome, tome-efficient, todo or todo-efficient; got {text!r}")
+    options: Dict[str, Any] = {}
+    for item in _split_top_level(rest):
+        key, eq, value = item.partition("=")
+        key = key.strip()
+        if not eq or not key:
+            raise ValueError(f"--variants: expected option=value in {text!r}; got {item!r}")
+        if key == "method" or key not in ToMeConfig.__dataclass_fields__:
+            allowed = sorted(set(ToMeConfig.__dataclass_fields__) - {"method"})
+            raise ValueError(f"--variants: unknown option {key!r} in {text!r}; options are {', '.join(allowed)}")
+        try:
+            options[key] = ast.literal_eval(value.strip())
+        except (ValueError, SyntaxError):
+            options[key] = value.strip()
+        if isinstance(options[key], list):
+            options[key] = tuple(options[key])
+    method = Method(name, float(options["ratio"]) if isinstance(options.get("ratio"), (int, float)) else 0.0, options)
+    ToMeConfig(**config_kwargs(method))  # validate now, not after minutes of vanilla runs
+    return method
+
+
+def config_kwargs(method: Method, max_downsample: Any = "auto") -> Dict[str, Any]:
+    """The ``apply_tome`` keyword arguments of one of this package's methods (``tome``/``todo``, with options)."""
+    kwargs: Dict[str, Any] = dict(max_downsample=max_downsample)
+    if method.name.startswith("todo"):
+        kwargs["method"] = "todo"
+    else:
+        kwargs["ratio"] = method.ratio
+    kwargs.update(method.options)
+    return kwargs
+
+
+def _expand_variant(text: str, settings: BenchSettings) -> List[Method]:
+    """The configurations one ``--variants`` entry adds: one, or one per ``--ratios`` value for a ``tome`` variant
+    without its own ratio."""
+    variant = parse_variant(text)
+    across_steps = [k for k in ("recompute_every", "ratio") if k in variant.options and not
+                    (k == "ratio" and isinstance(variant.options[k], (int, float)))]
+    if settings.unet_only and across_steps:
+        raise ValueError(
+            f"--variants {text!r}: {' and '.join(across_steps)} act across denoising steps, which one denoiser "
+            "forward (--unet-only) does not have; measure it with pipeline calls"
+        )
+    if variant.name.startswith("todo") or "ratio" in variant.options:
+        return [variant]
+    return [Method(variant.name, float(r), dict(variant.options)) for r in settings.ratios]
+
+
+def method_list(settings: BenchSettings) -> List[Method]:
+    """Every configuration a run of ``settings`` measures, vanilla first, one per label."""
+    methods = []
+    for name in settings.methods:
+        if name not in ALL_METHODS:
+            raise ValueError(f"--methods must be among {ALL_METHODS}; got {name!r}")
+        if name in RATIO_FREE:
+            methods.append(Method(name))
+        else:
+            methods.extend(Method(name, float(r)) for r in settings.ratios)
+    for text in settings.variants:
+        methods.extend(_expand_variant(text, settings))
+    if not any(m.name == "vanilla" for m in methods):
+        methods.insert(0, Method("vanilla"))  # every ratio is against vanilla
+    unique: Dict[str, Method] = {}
+    for method in methods:  # one cell per label: a variant equal to a plain method is measured once
+        unique.setdefault(method.label, method)
+    return list(unique.values())
+
+
+# putting a method in place -----------------------------------------------------------------------------------------
+class NotSupported(Exception):
+    """The method cannot run on this device (reported as ``n/a`` in its cell)."""
+
+
+def builtin_level(pipe, max_downsample: Any) -> int:
+    """The integer level ppdiffusers' built-in port needs for ``max_downsample`` (it has no ``"auto"``): 2 for
+    SDXL-style UNets (no attention at the first level), else 1."""
+    if max_downsample != "auto":
+        return int(max_downsample)
+    return 2 if getattr(pipe.unet.config, "addition_embed_type", None) == "text_time" else 1
+
+
+def configure(pipe, method: Method, max_downsample: Any) -> None:
+    """Put ``pipe`` in the state that ``method`` measures."""
+    api.remove_tome(pipe)
+    set_efficient_attention(pipe, False)
+    if method.name == "vanilla":
+        return
+    if method.name in APPLIED:
+        api.apply_tome(pipe, **config_kwargs(method, max_downsample))
+        if method.name.endswith("-efficient"):
+            set_efficient_attention(pipe, True)
+    elif method.name == "builtin":
+        for _, model in api.tome_models(pipe, patchable=True):
+            paddle.nn.Layer.apply_tome(model, ratio=method.ratio, max_downsample=builtin_level(pipe, max_downsample))
+    elif method.name == "bound":
+        config = ToMeConfig(ratio=method.ratio, max_downsample=max_downsample, use_rand=False)
+        for _, model in api.tome_models(pipe, patchable=True):
+            BoundPatch.install(model, config)
+    else:
+        raise ValueError(f"method must be one of {ALL_METHODS}; got {method.name!r}")
+
+
+def set_efficient_attention(pipe, enabled: bool) -> None:
+    """Switch Paddle's memory-efficient attention on or off; raises :class:`NotSupported` where it is missing."""
+    if enabled:
+        try:
+            pipe.enable_xformers_memory_efficient_attention()
+        except (NotImplementedError, ValueError, RuntimeError) as error:
+            pipe.disable_xformers_memory_efficient_attention()
+            raise NotSupported(f"efficient attention unavailable: {str(error).splitlines()[0][:120]}") from error
+    else:
+        try:
+            pipe.disable_xformers_memory_efficient_attention()
+        except Exception:  # pragma: no cover - pipelines without attention processors
+            pass

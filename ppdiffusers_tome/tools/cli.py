@@ -1,0 +1,194 @@
+"""Command line: ``ppdiffusers-tome demo|bench`` (also ``python -m ppdiffusers_tome ...``).
+
+This module only parses: the commands run in :mod:`ppdiffusers_tome.tools.bench.commands`, which :func:`main` imports
+when it dispatches, so ``--help`` and ``--version`` answer at once without Paddle or ppdiffusers (the package's
+``__init__`` skips them too for those two flags).
+
+``demo`` runs a pipeline with and without ToMe side by side at one resolution, prints a table (time, speed-up, peak
+memory, difference to vanilla), and writes a PNG grid and a JSON record. With neither ``--model`` nor ``--preset`` it
+runs the shapes model that ships trained inside the package (:mod:`ppdiffusers_tome.tools.shapes`: 64x64 images a
+person can compare), so it needs no download; a ``--preset`` is a full-size layout with random weights, for speed.
+``--model shapes`` names the shipped model in ``bench`` too.
+``bench`` measures a grid of resolutions, batch sizes and methods (see :mod:`ppdiffusers_tome.tools.bench`); the demo is
+one resolution of the same engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Optional, Sequence
+
+from .. import __version__
+from .presets import DEFAULT_PRESET, available_presets, default_resolution, preset_summary
+from ..quiet import configure_logging, ignore_import_warnings
+
+# shapes.shipped.DEMO_PROMPT and bench.BenchSettings.prompt, repeated for the same reason (a test keeps them equal)
+SHAPES_PROMPT = "a large red star at the top left on a blue background"
+DEFAULT_PROMPT = "a lighthouse on a cliff at sunset, detailed oil painting"
+# bench.ALL_METHODS, repeated here so that ``--help`` does not import bench (and Paddle); a test keeps them equal
+BENCH_METHODS = ("vanilla", "tome", "tome-efficient", "todo", "todo-efficient", "builtin", "bound")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text}")
+    return value
+
+
+def _resolution(text: str) -> int:
+    value = int(text)
+    if value < 8 or value % 8:
+        raise argparse.ArgumentTypeError(f"must be a multiple of 8 and >= 8, got {text}")
+    return value
+
+
+def _level(text: str):
+    """``--max-downsample``: ``auto`` or an integer (validated by ToMeConfig with the allowed values)."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be 'auto' or one of 1, 2, 4, 8; got {text!r}") from None
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Shows each option's default after its help (unless the help already gives it, or there is none)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if not action.option_strings or default is None or default is False or default == argparse.SUPPRESS \
+                or default == [] or "default" in text:
+            return text
+        shown = " ".join(map(str, default)) if isinstance(default, (list, tuple)) else str(default)
+        return f"{text} (default: {shown.replace('%', '%%')})"
+
+
+def _presets_epilog(default: Optional[str] = DEFAULT_PRESET) -> str:
+    lines = []
+    if default is None:  # the demo: the shipped trained model runs unless a preset or a folder is named
+        lines += ["model (trained, shipped in the package; the default):",
+                  f"  {'shapes':<18} {64:>5} px  coloured shapes from a caption (--model shapes)", ""]
+    lines.append("presets (random weights, built offline; default resolution in pixels):")
+    for name in available_presets():
+        mark = " (default)" if name == default else ""
+        lines.append(f"  {name:<18} {default_resolution(name):>5} px  {preset_summary(name)}{mark}")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of the command line: ``demo`` and ``bench`` with their options and defaults."""
+    parser = argparse.ArgumentParser(prog="ppdiffusers-tome", description="Token Merging for ppdiffusers pipelines")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_demo_parser(sub)
+    _add_bench_parser(sub)
+    for command in sub.choices.values():  # ``ppdiffusers-tome demo --version`` answers too
+        command.add_argument("--version", action="version", version=f"ppdiffusers-tome {__version__}",
+                             help="print the version and exit")
+    return parser
+
+
+def _add_demo_parser(sub: argparse._SubParsersAction) -> None:
+    demo = sub.add_parser(
+        "demo", help="vanilla vs ToMe side by side: table, PNG grid, JSON", formatter_class=_HelpFormatter,
+        description="Run one pipeline without and with ToMe at the same seed, interleaved, and compare time,\n"
+                    "memory and the images. By default it runs the shapes model that ships trained in the package\n"
+                    "(64x64 images of coloured shapes drawn from a caption; no download). --preset builds a\n"
+                    "full-size layout with random weights instead (its images are noise; for speed), --model loads\n"
+                    "a pipeline folder.",
+        epilog=_presets_epilog(default=None),
+    )
+    source = demo.add_mutually_exclusive_group()
+    source.add_argument("--model", help="a local pipeline folder (model_index.json), or 'shapes' (the shipped "
+                                        "trained model; the default when --preset is not given either)")
+    source.add_argument("--preset", "--arch", dest="preset", choices=available_presets(), metavar="PRESET",
+                        default=None, help="a model layout with random weights, listed below (--arch is an alias; "
+                                           "default: none, the shipped shapes model runs)")
+    demo.add_argument("--resolution", type=_resolution, default=None,
+                      help="image height and width in pixels (default: the preset's, listed below; for --model the "
+                           "model's own sample size)")
+    demo.add_argument("--ratios", type=float, nargs="+", default=[0.3, 0.5], help="ToMe ratios to compare")
+    demo.add_argument("--max-downsample", type=_level, default="auto", help="ToMe max_downsample (auto, 1, 2, 4 or 8)")
+    demo.add_argument("--steps", type=_positive_int, default=None,
+                      help="denoising steps (default: 20 for the shapes model, 8 for a preset or --model)")
+    demo.add_argument("--repeats", type=_positive_int, default=3, help="timed runs per method (median reported)")
+    demo.add_argument("--seed", type=int, default=0,
+                      help="seed of a preset's random weights and of the initial latents")
+    demo.add_argument("--prompt", default=None,
+                      help=f"prompt (default: {SHAPES_PROMPT!r} for the shapes model, whose vocabulary is its "
+                           f"captions' words; {DEFAULT_PROMPT!r} otherwise)")
+    demo.add_argument("--guidance-scale", type=float, default=None,
+                      help="classifier-free guidance (default: 4.0 for the shapes model, the pipeline's own otherwise)")
+    demo.add_argument("--threads", type=_positive_int, default=None, help="CPU threads for Paddle (default: all)")
+    demo.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32",
+                      help="float16 and bfloat16 need a GPU")
+    demo.add_argument("--output", default=os.path.join("outputs", "demo"), help="folder for demo.png/results.json")
+
+
+def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
+    bench = sub.add_parser("bench", help="grid of resolutions x batch sizes x methods: table, JSON, plots",
+                           formatter_class=_HelpFormatter, epilog=_presets_epilog())
+    source = bench.add_mutually_exclusive_group()
+    source.add_argument("--preset", "--arch", dest="preset", choices=available_presets(), metavar="PRESET",
+                        default=DEFAULT_PRESET,
+                        help="model layout with random weights, listed below (--arch is an alias)")
+    source.add_argument("--model", help="a local pipeline folder instead of --preset, or 'shapes' (the shipped "
+                                        "trained 64x64 model)")
+    bench.add_argument("--resolutions", type=_resolution, nargs="+", default=None,
+                       help="image sizes in pixels (default: the preset's, listed below)")
+    bench.add_argument("--batch-sizes", type=_positive_int, nargs="+", default=[1], help="images per call")
+    bench.add_argument("--ratios", type=float, nargs="+", default=[0.5], help="ToMe ratios, each in [0, 1)")
+    bench.add_argument("--methods", nargs="+", choices=BENCH_METHODS, metavar="METHOD",
+                       default=["vanilla", "tome", "tome-efficient", "bound"],
+                       help=f"methods to measure, of: {', '.join(BENCH_METHODS)}")
+    bench.add_argument("--variants", nargs="+", default=[], metavar="METHOD:OPTION=VALUE,...",
+                       help="extra configurations, e.g. tome:recompute_every=5 'tome:ratio=(0.6,0.3)' "
+                            "todo:downsample_factor=4,downsample_mode=average")
+    bench.add_argument("--compare-builtin", action="store_true", help="add ppdiffusers' built-in ToMe port")
+    bench.add_argument("--steps", type=_positive_int, default=20, help="denoising steps per pipeline call")
+    bench.add_argument("--unet-only", action="store_true", help="time one denoiser forward instead of a pipeline call")
+    bench.add_argument("--repeats", type=_positive_int, default=3, help="timed runs per method (median reported)")
+    bench.add_argument("--warmup", type=int, default=1, help="untimed runs per method before timing")
+    bench.add_argument("--max-downsample", type=_level, default="auto",
+                       help="auto (default: the finest level with attention, 2 on SDXL), 1, 2, 4 or 8")
+    bench.add_argument("--device", choices=["cpu", "gpu"], default="cpu",
+                       help="gpu needs a CUDA build of PaddlePaddle (paddlepaddle-gpu); timing is synchronised and "
+                            "memory is Paddle's max allocated bytes there")
+    bench.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
+                       help="default: float16 with --device gpu, float32 on CPU")
+    bench.add_argument("--threads", type=_positive_int, default=None, help="CPU threads for Paddle (default: all)")
+    bench.add_argument("--seed", type=int, default=0,
+                       help="seed of a preset's random weights and of the initial latents")
+    bench.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    bench.add_argument("--no-time-split", action="store_true", help="skip the attention/matching/rest split")
+    bench.add_argument("--no-op-count", action="store_true",
+                       help="skip the ops/block column (one extra profiled denoiser forward per cell and method)")
+    bench.add_argument("--output", default=os.path.join("outputs", "bench"), help="folder for results.json and plots")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run the command line ``argv`` (default ``sys.argv[1:]``); returns the exit status (2 on bad input)."""
+    ignore_import_warnings()  # (the package's __init__ did it already when this process is the command line)
+    args = build_parser().parse_args(argv)
+    # The one import inside a function, on purpose: the commands import Paddle and ppdiffusers (seconds), which
+    # ``--help`` and ``--version`` (answered by the parser above) must not wait for; tests/test_cli.py checks it.
+    from .bench import commands
+
+    configure_logging()  # after Paddle's import, which puts a timestamped handler on the root logger
+
+    run = {"demo": commands.run_demo, "bench": commands.run_bench}[args.command]
+    try:
+        run(args)
+    except ValueError as error:  # bad input: a clear message, not a traceback
+        sys.stderr.write(f"ppdiffusers-tome {args.command}: error: {error}\n")
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

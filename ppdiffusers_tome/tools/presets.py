@@ -1,0 +1,544 @@
+"""The embedded models: pipelines built from the configs shipped in ``ppdiffusers_tome/configs`` with random
+weights (no downloads), the memory check that runs before anything is built, and the loader for a real local
+pipeline folder. The demo's default model, the benchmark architectures and the tiny test models all live here.
+
+Each preset carries the resolution it is meant to run at (``default_resolution``). :func:`check_attention_memory`
+estimates the memory of a run's largest self-attention from the layout alone, before anything is built, so that a
+run that cannot fit stops with a clear message instead of being killed by the operating system.
+
+Every pipeline is assembled by one path from its preset's config: "tiny" is just another preset, so
+``tiny_sd_pipeline(seed=s)`` builds exactly what ``preset_pipeline("tiny", seed=s)`` builds (same weights), as do
+``tiny_controlnet_pipeline`` and ``tiny_sdxl_pipeline`` for ``tiny-controlnet`` and ``tiny-sdxl``. Nothing is
+downloaded: the CLIP tokenizer is built from a byte-level vocabulary written on the fly. The tiny layouts keep what
+matters to ToMe: SD-style pipelines have transformer blocks at the full latent resolution, the SDXL-style UNet (like
+the real one) has none at its first level. (``ppdiffusers_tome.testing`` re-exports the tiny builders, for existing
+test code and scripts.)
+
+Paddle and ppdiffusers are imported only by the functions that build pipelines (through :func:`_libs`): listing and
+reading presets and the memory check are instant (the command line's ``--help`` relies on it).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import math
+import os
+import shutil
+import tempfile
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
+
+__all__ = [
+    "available_presets",
+    "load_preset",
+    "preset_summary",
+    "default_resolution",
+    "preset_layout",
+    "folder_layout",
+    "estimate_attention_bytes",
+    "available_memory_bytes",
+    "check_attention_memory",
+    "preset_pipeline",
+    "load_local_pipeline",
+    "DEFAULT_PRESET",
+    "write_tokenizer_files",
+    "tiny_tokenizer",
+    "tiny_text_encoder",
+    "tiny_unet",
+    "tiny_vae",
+    "random_controlnet",
+    "tiny_controlnet",
+    "make_scheduler",
+    "tiny_sd_pipeline",
+    "tiny_controlnet_pipeline",
+    "tiny_sdxl_unet",
+    "tiny_sdxl_pipeline",
+    "tiny_dit_transformer",
+    "tiny_dit_pipeline",
+]
+
+DEFAULT_PRESET = "sd15-narrow"
+
+
+# configs ----------------------------------------------------------------------------------------------------------
+def available_presets() -> List[str]:
+    """Names of the shipped pipeline configs.
+
+    >>> "sd15-narrow" in available_presets()
+    True
+    """
+    return sorted(name[: -len(".json")] for name in os.listdir(CONFIG_DIR) if name.endswith(".json"))
+
+
+def load_preset(name: str) -> Dict[str, Any]:
+    """The config dict of preset ``name`` (see :func:`available_presets`)."""
+    names = available_presets()
+    if name not in names:
+        raise ValueError(f"preset must be one of {names}; got {name!r}")
+    with open(os.path.join(CONFIG_DIR, name + ".json"), encoding="utf-8") as f:
+        return json.load(f)
+
+
+def preset_summary(name: str) -> str:
+    """A few words on what preset ``name`` is (its config's ``summary``), for ``--help``."""
+    return str(load_preset(name).get("summary", ""))
+
+
+def default_resolution(name: str) -> int:
+    """The image size in pixels (height = width) preset ``name`` is meant to run at.
+
+    >>> default_resolution("tiny"), default_resolution("sd15-narrow"), default_resolution("sdxl")
+    (64, 256, 1024)
+    """
+    return int(load_preset(name)["default_resolution"])
+
+
+# memory check -----------------------------------------------------------------------------------------------------
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+# Live copies of the attention matrix in ppdiffusers' AttnProcessor: the scores and their softmax. Measured on the
+# tiny preset with Paddle 3.3 on CPU: the memory a UNet forward adds is 2.00x one [rows, heads, N, N] float32 matrix.
+_ATTENTION_COPIES = 2
+_GIB = 1024.0**3
+
+Layout = Tuple[Dict[str, Any], int]  # (UNet config, VAE scale factor)
+
+
+def preset_layout(name: str) -> Layout:
+    """The UNet config and VAE scale factor of preset ``name``, for :func:`estimate_attention_bytes`."""
+    config = load_preset(name)
+    return config["unet"], 2 ** (len(config["vae"]["block_out_channels"]) - 1)
+
+
+def folder_layout(folder: str) -> Optional[Layout]:
+    """The UNet config and VAE scale factor of a local pipeline folder (read from ``unet/config.json`` and
+    ``vae/config.json``, nothing loaded), or ``None`` when the folder has no UNet (a DiT, for example)."""
+    try:
+        with open(os.path.join(folder, "unet", "config.json"), encoding="utf-8") as f:
+            unet = json.load(f)
+    except (OSError, ValueError):
+        return None
+    try:
+        with open(os.path.join(folder, "vae", "config.json"), encoding="utf-8") as f:
+            scale = 2 ** (len(json.load(f)["block_out_channels"]) - 1)
+    except (OSError, ValueError, KeyError, TypeError):
+        scale = 8
+    return unet, scale
+
+
+def _attention_levels(unet: Dict[str, Any], resolution: int, vae_scale: int) -> List[Tuple[int, int]]:
+    """``(tokens, heads)`` of every UNet level with transformer blocks at ``resolution`` pixels."""
+    heads = unet.get("num_attention_heads") or unet.get("attention_head_dim") or 8
+    types = list(unet.get("down_block_types", []))
+    side = max(resolution // vae_scale, 1)
+    levels = []
+    for index, kind in enumerate(types):
+        if "Attn" in kind:
+            level_heads = heads[index] if isinstance(heads, (list, tuple)) else heads
+            levels.append((side * side, int(level_heads)))
+        if index < len(types) - 1:
+            side = math.ceil(side / 2)  # a stride-2 convolution with padding 1
+    mid = unet.get("mid_block_type", "UNetMidBlock2DCrossAttn")
+    if mid and "Attn" in mid and types:
+        levels.append((side * side, int(heads[-1] if isinstance(heads, (list, tuple)) else heads)))
+    return levels
+
+
+def estimate_attention_bytes(
+    layout: Layout, resolution: int, images: int = 1, dtype: str = "float32", guidance: bool = True
+) -> int:
+    """Bytes held by the largest self-attention of one vanilla UNet forward: ``rows x heads x N x N`` elements
+    for the scores and again for their softmax, where ``N`` is the token count of a level with transformer blocks
+    and ``rows`` is ``images``, doubled by classifier-free guidance. That matrix dominates a UNet's memory at
+    high resolution and grows with the fourth power of the image side.
+
+    >>> layout = preset_layout("tiny")  # 2x VAE, 8 heads, attention at the full latent resolution
+    >>> estimate_attention_bytes(layout, 256) == 2 * 2 * 8 * (128 * 128) ** 2 * 4
+    True
+    """
+    if dtype not in _DTYPE_BYTES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPE_BYTES)}; got {dtype!r}")
+    unet, vae_scale = layout
+    rows = images * (2 if guidance else 1)
+    largest = max((heads * tokens * tokens for tokens, heads in _attention_levels(unet, resolution, vae_scale)),
+                  default=0)
+    return _ATTENTION_COPIES * rows * largest * _DTYPE_BYTES[dtype]
+
+
+def available_memory_bytes() -> Optional[int]:
+    """Memory the system can give a new process without swapping (``MemAvailable`` of ``/proc/meminfo``), or
+    ``None`` where that is not known (not Linux)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _fitting_resolution(layout: Layout, upto: int, budget: float, images: int, dtype: str, step: int = 32) -> int:
+    """The largest multiple of ``step`` pixels up to ``upto`` whose estimate is within ``budget`` bytes (0: none)."""
+    for size in range(upto - upto % step, 0, -step):
+        if estimate_attention_bytes(layout, size, images, dtype) <= budget:
+            return size
+    return 0
+
+
+def check_attention_memory(
+    layout: Optional[Layout],
+    resolutions: Sequence[int],
+    images: int = 1,
+    dtype: str = "float32",
+    source: str = "this model",
+    option: str = "--resolution",
+    available: Optional[int] = None,
+) -> None:
+    """Raise ``ValueError`` before anything is built when the largest self-attention of a run at any of
+    ``resolutions`` (``images`` per call, with classifier-free guidance) needs more memory than is available.
+
+    The message names the resolution, the model (``source``) and the largest resolution (a multiple of 32) whose
+    estimate takes at most half the available memory. ``available`` defaults to :func:`available_memory_bytes`;
+    nothing is checked when it is unknown or when ``layout`` is ``None``.
+
+    >>> tiny = preset_layout("tiny")
+    >>> check_attention_memory(tiny, [256], source="preset 'tiny'", available=8 * 1024**3)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: preset 'tiny' at 256x256 px needs about 32.0 GiB ... Use --resolution 128 or less (about 2.0 GiB).
+    """
+    if layout is None:
+        return
+    available = available_memory_bytes() if available is None else available
+    if available is None:
+        return
+    for resolution in sorted(set(resolutions), reverse=True):
+        need = estimate_attention_bytes(layout, resolution, images, dtype)
+        if need <= available:
+            continue
+        tokens, heads = max(_attention_levels(layout[0], resolution, layout[1]), key=lambda th: th[1] * th[0] ** 2)
+        fit = _fitting_resolution(layout, resolution, available / 2, images, dtype)
+        advice = (
+            f"Use {option} {fit} or less (about {estimate_attention_bytes(layout, fit, images, dtype) / _GIB:.1f} GiB)"
+            if fit
+            else "Even 32 px does not fit: free some memory"
+        )
+        raise ValueError(
+            f"{source} at {resolution}x{resolution} px needs about {need / _GIB:.1f} GiB for one self-attention "
+            f"({tokens} tokens, {heads} heads, UNet batch {2 * images}, {dtype}), more than the "
+            f"{available / _GIB:.1f} GiB of memory available. {advice}."
+        )
+
+
+# builders ---------------------------------------------------------------------------------------------------------
+def _libs():
+    """``(paddle, ppdiffusers, ppdiffusers.transformers)``, imported on first use. This is the only place this module
+    imports them: the config and memory functions above serve the command line's ``--help``, which must not wait
+    seconds for Paddle. (The CLIP tokenizer and text encoders live in ``ppdiffusers.transformers``, which the lazy
+    ``ppdiffusers`` module does not expose as an attribute.)"""
+    import paddle
+    import ppdiffusers
+    import ppdiffusers.transformers as transformers
+
+    return paddle, ppdiffusers, transformers
+
+
+TEXT_HIDDEN = 32
+
+
+def _byte_symbols() -> list:
+    """The 256 printable stand-ins that byte-level BPE uses for the bytes 0..255."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    symbols, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            symbols[byte] = chr(byte)
+        else:
+            symbols[byte] = chr(256 + extra)
+            extra += 1
+    return [symbols[b] for b in range(256)]
+
+
+def write_tokenizer_files(folder: str) -> Dict[str, str]:
+    """Write a minimal CLIP ``vocab.json`` and ``merges.txt`` (bytes, their word-final forms, two special
+    tokens, no merges) into ``folder`` and return their paths."""
+    symbols = _byte_symbols()
+    vocab = {}
+    for token in symbols + [s + "</w>" for s in symbols] + ["<|startoftext|>", "<|endoftext|>"]:
+        vocab.setdefault(token, len(vocab))
+    paths = {"vocab_file": os.path.join(folder, "vocab.json"), "merges_file": os.path.join(folder, "merges.txt")}
+    with open(paths["vocab_file"], "w", encoding="utf-8") as f:
+        json.dump(vocab, f, ensure_ascii=False)
+    with open(paths["merges_file"], "w", encoding="utf-8") as f:
+        f.write("#version: 0.2\n")
+    return paths
+
+
+_tokenizer_files_written: Optional[Dict[str, str]] = None
+
+
+def _tokenizer_files() -> Dict[str, str]:
+    """The tokenizer files, written once per process (a tokenizer reads them again in ``save_pretrained``)."""
+    global _tokenizer_files_written
+    if _tokenizer_files_written is None:
+        folder = tempfile.mkdtemp(prefix="ppdiffusers_tome_tokenizer_")
+        atexit.register(shutil.rmtree, folder, True)
+        _tokenizer_files_written = write_tokenizer_files(folder)
+    return _tokenizer_files_written
+
+
+def tiny_tokenizer(max_length: int = 16):
+    """A working offline ``CLIPTokenizer`` (byte-level, 514 tokens) that pads prompts to ``max_length``."""
+    _, _, transformers = _libs()
+    return transformers.CLIPTokenizer(**_tokenizer_files(), max_len=max_length, model_max_length=max_length)
+
+
+def tiny_text_encoder(vocab_size: int, max_length: int = 16, projection: bool = False, seed: int = 0, **overrides):
+    """A 2-layer CLIP text encoder (optionally with projection, as SDXL's second encoder) with random weights;
+    ``overrides`` replace ``CLIPTextConfig`` fields (e.g. ``hidden_size``)."""
+    paddle, _, transformers = _libs()
+    fields = dict(hidden_size=TEXT_HIDDEN, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4)
+    fields.update(overrides)
+    config = transformers.CLIPTextConfig(
+        vocab_size=vocab_size,
+        max_position_embeddings=max_length,
+        projection_dim=fields["hidden_size"],
+        bos_token_id=vocab_size - 2,
+        eos_token_id=vocab_size - 1,
+        pad_token_id=vocab_size - 1,
+        **fields,
+    )
+    paddle.seed(seed)
+    class_name = "CLIPTextModelWithProjection" if projection else "CLIPTextModel"
+    model = getattr(transformers, class_name)(config)
+    model.eval()
+    return model
+
+
+def _seeded_model(class_name: str, config: Dict[str, Any], seed: int):
+    """The ppdiffusers model ``class_name`` built from ``config`` after ``paddle.seed(seed)``, in eval mode."""
+    paddle, ppdiffusers, _ = _libs()
+    paddle.seed(seed)
+    model = getattr(ppdiffusers, class_name)(**config)
+    model.eval()
+    return model
+
+
+def tiny_unet(seed: int = 0, **overrides):
+    """The ``tiny`` preset's SD-style ``UNet2DConditionModel`` with random weights: three levels; 3 transformer
+    blocks at 1x, 3 at 2x and the mid block's at 4x (SD 1.x has them at 1x, 2x and 4x, and in its mid block at 8x).
+    ``overrides`` replace config fields."""
+    return _seeded_model("UNet2DConditionModel", dict(load_preset("tiny")["unet"], **overrides), seed)
+
+
+def tiny_vae(seed: int = 0):
+    """The ``tiny`` preset's ``AutoencoderKL`` (latent scale factor 2) with random weights."""
+    return _seeded_model("AutoencoderKL", load_preset("tiny")["vae"], seed)
+
+
+def tiny_sdxl_unet(seed: int = 0):
+    """The ``tiny-sdxl`` preset's SDXL-style UNet: no attention at the first level, text-time added conditioning,
+    linear projections."""
+    return _seeded_model("UNet2DConditionModel", load_preset("tiny-sdxl")["unet"], seed)
+
+
+def random_controlnet(unet, seed: int = 1, conditioning_embedding_out_channels: Sequence[int] = (16, 32)):
+    """A ``ControlNetModel`` shaped like ``unet`` with random weights. A trained ControlNet's output convolutions
+    are not zero, so random ones are drawn for them too: the control signal then really changes the UNet's output."""
+    paddle, ppdiffusers, _ = _libs()
+    paddle.seed(seed)
+    controlnet = ppdiffusers.ControlNetModel.from_unet(
+        unet,
+        conditioning_embedding_out_channels=tuple(conditioning_embedding_out_channels),
+        load_weights_from_unet=False,
+    )
+    for name, param in controlnet.named_parameters():
+        if name.startswith(("controlnet_down_blocks", "controlnet_mid_block", "controlnet_cond_embedding.conv_out")):
+            param.set_value(paddle.randn(param.shape, dtype=param.dtype) * 0.1)
+    controlnet.eval()
+    return controlnet
+
+
+def tiny_controlnet(unet, seed: int = 1):
+    """A ``ControlNetModel`` shaped like the tiny ``unet`` (conditioning embedding downsamples by 2, as the tiny VAE)."""
+    return random_controlnet(unet, seed, (16, 32))
+
+
+def make_scheduler(name: str):
+    """A fresh scheduler of class ``name`` with Stable Diffusion's beta schedule."""
+    _, ppdiffusers, _ = _libs()
+    kwargs = dict(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", num_train_timesteps=1000)
+    if name == "DDIMScheduler":
+        kwargs.update(clip_sample=False, set_alpha_to_one=False, steps_offset=1)
+    return getattr(ppdiffusers, name)(**kwargs)
+
+
+# assembly: every preset pipeline, tiny or not, is built here ------------------------------------------------------
+# A preset's ``pipeline`` key (default "sd") gives its kind; a kind's tasks name the pipeline class. Seeds: the UNet
+# draws from ``seed``, the VAE from ``seed + 1``, the text encoders from ``seed`` and ``seed + 2``, ControlNet ``i``
+# from ``seed + 3 + i``.
+_PIPELINES = {
+    "sd": {
+        "txt2img": "StableDiffusionPipeline",
+        "img2img": "StableDiffusionImg2ImgPipeline",
+        "inpaint": "StableDiffusionInpaintPipeline",
+    },
+    "controlnet": {"txt2img": "StableDiffusionControlNetPipeline"},
+    "sdxl": {"txt2img": "StableDiffusionXLPipeline"},
+}
+_DEFAULT_SCHEDULERS = {"sd": "DDIMScheduler", "controlnet": "DDIMScheduler", "sdxl": "EulerDiscreteScheduler"}
+_NO_SAFETY_CHECKER = dict(safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+
+
+def _text_parts(config: Dict[str, Any], suffix: str, seed: int) -> Dict[str, Any]:
+    """``tokenizer{suffix}`` and ``text_encoder{suffix}`` of a preset ``config``: ``suffix`` is ``""``, or ``"_2"``
+    for SDXL's second text encoder (the one with a projection)."""
+    max_length = config.get("tokenizer_max_length", 77)
+    tokenizer = tiny_tokenizer(max_length=max_length)
+    encoder = tiny_text_encoder(len(tokenizer.get_vocab()), max_length=max_length, projection=bool(suffix), seed=seed,
+                                **config["text_encoder" + suffix])
+    return {"tokenizer" + suffix: tokenizer, "text_encoder" + suffix: encoder}
+
+
+def _controlnet_part(config: Dict[str, Any], unet, seed: int, count: int):
+    """The ControlNet of a ``controlnet`` preset, or a ``MultiControlNetModel`` of ``count`` of them."""
+    _, ppdiffusers, _ = _libs()
+    nets = [random_controlnet(unet, seed + 3 + i, **config["controlnet"]) for i in range(count)]
+    return nets[0] if count == 1 else ppdiffusers.pipelines.controlnet.MultiControlNetModel(nets)
+
+
+def _finish(pipe, dtype: str = "float32"):
+    """Every model of ``pipe`` in eval mode, cast to ``dtype``, progress bar off."""
+    paddle, _, _ = _libs()
+    for component in pipe.components.values():
+        if isinstance(component, paddle.nn.Layer):
+            component.eval()
+    if dtype != "float32":
+        pipe.to(dtype=dtype)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _assemble(name: str, scheduler: Optional[str] = None, seed: int = 0, dtype: str = "float32",
+              task: str = "txt2img", unet: Optional[Any] = None, num_controlnets: int = 1):
+    """The pipeline of preset ``name`` for ``task`` with random weights (seeded, so reproducible); ``unet``
+    replaces the preset's UNet, ``num_controlnets > 1`` gives a ControlNet preset a MultiControlNet."""
+    _, ppdiffusers, _ = _libs()
+    config = load_preset(name)
+    kind = config.get("pipeline", "sd")
+    if kind not in _PIPELINES:
+        raise ValueError(f"preset {name!r} has an unknown pipeline kind {kind!r}")
+    if task not in _PIPELINES[kind]:
+        raise ValueError(f"kind must be one of {sorted(_PIPELINES[kind])}; got {task!r}")
+    parts = _text_parts(config, "", seed)
+    if unet is None:
+        inpaint = {"in_channels": 9} if task == "inpaint" else {}  # image latents and mask join the noisy latents
+        unet = _seeded_model("UNet2DConditionModel", dict(config["unet"], **inpaint), seed)
+    parts.update(unet=unet, vae=_seeded_model("AutoencoderKL", config["vae"], seed + 1))
+    if "text_encoder_2" in config:  # after the VAE, as preset_pipeline always did: Paddle's generator ends the same
+        parts.update(_text_parts(config, "_2", seed + 2))
+    parts["scheduler"] = make_scheduler(scheduler or _DEFAULT_SCHEDULERS[kind])
+    if kind == "sdxl":
+        parts["add_watermarker"] = False
+    else:
+        parts.update(_NO_SAFETY_CHECKER)
+    if kind == "controlnet":
+        parts["controlnet"] = _controlnet_part(config, unet, seed, num_controlnets)
+    return _finish(getattr(ppdiffusers, _PIPELINES[kind][task])(**parts), dtype)
+
+
+def preset_pipeline(name: str = DEFAULT_PRESET, scheduler: Optional[str] = None, seed: int = 0, dtype: str = "float32"):
+    """A pipeline built from preset ``name`` with random weights (seeded, so reproducible): a
+    ``StableDiffusionPipeline``, a ``StableDiffusionXLPipeline`` or a ``StableDiffusionControlNetPipeline``,
+    as the preset's ``pipeline`` key says.
+
+    >>> pipe = preset_pipeline("sd15-narrow")
+    >>> pipe.unet.config.block_out_channels
+    [64, 128, 256, 256]
+    """
+    return _assemble(name, scheduler, seed, dtype)
+
+
+def tiny_sd_pipeline(
+    kind: str = "txt2img", scheduler: str = "DDIMScheduler", seed: int = 0, unet: Optional[Any] = None
+):
+    """The ``tiny`` preset's Stable Diffusion pipeline (as :func:`preset_pipeline`) for ``kind`` ``txt2img``,
+    ``img2img`` or ``inpaint`` (a UNet with 9 input channels); ``unet`` replaces the preset's UNet.
+
+    >>> pipe = tiny_sd_pipeline()
+    >>> type(pipe).__name__
+    'StableDiffusionPipeline'
+    """
+    return _assemble("tiny", scheduler, seed, task=kind, unet=unet)
+
+
+def tiny_controlnet_pipeline(num_controlnets: int = 1, scheduler: str = "DDIMScheduler", seed: int = 0):
+    """The ``tiny-controlnet`` preset's ``StableDiffusionControlNetPipeline``; with ``num_controlnets > 1`` it holds
+    a MultiControlNet."""
+    return _assemble("tiny-controlnet", scheduler, seed, num_controlnets=num_controlnets)
+
+
+def tiny_sdxl_pipeline(scheduler: str = "EulerDiscreteScheduler", seed: int = 0):
+    """The ``tiny-sdxl`` preset's ``StableDiffusionXLPipeline`` (two text encoders, SDXL-style UNet)."""
+    return _assemble("tiny-sdxl", scheduler, seed)
+
+
+def tiny_dit_transformer(norm_type: str = "ada_norm_zero", seed: int = 0, sample_size: int = 16):
+    """A small patch ``Transformer2DModel`` (patch size 2, 3 blocks) with random weights: DiT-style
+    (``norm_type="ada_norm_zero"``, class labels) or PixArt-alpha-style (``"ada_norm_single"``, cross-attention to
+    text embeddings of width 32). The PixArt-style model has no caption projection: ppdiffusers 0.29's
+    ``CaptionProjection`` calls ``paddle.randn(num_tokens, in_features)``, which Paddle 3.3 rejects, so it takes
+    embeddings already projected to the model width."""
+    paddle, _, _ = _libs()
+    if norm_type not in ("ada_norm_zero", "ada_norm_single"):
+        raise ValueError(f"norm_type must be 'ada_norm_zero' (DiT) or 'ada_norm_single' (PixArt-alpha); got {norm_type!r}")
+    kwargs: Dict[str, Any] = dict(
+        num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=8, num_layers=3,
+        sample_size=sample_size, patch_size=2, activation_fn="gelu-approximate", norm_type=norm_type,
+        norm_elementwise_affine=False, num_embeds_ada_norm=1000,
+    )
+    if norm_type == "ada_norm_single":
+        kwargs.update(cross_attention_dim=32, norm_eps=1e-6)
+    model = _seeded_model("Transformer2DModel", kwargs, seed)
+    for param in model.parameters():  # ada-norm-zero starts every block as the identity: draw non-zero gates
+        if float(param.abs().max()) == 0.0:
+            param.set_value(paddle.randn(param.shape, dtype=param.dtype) * 0.05)
+    return model
+
+
+def tiny_dit_pipeline(scheduler: str = "DDIMScheduler", seed: int = 0):
+    """A small ``DiTPipeline`` (class-conditional, transformer-only) with random weights.
+
+    >>> pipe = tiny_dit_pipeline()
+    >>> type(pipe.transformer).__name__
+    'Transformer2DModel'
+    """
+    _, ppdiffusers, _ = _libs()
+    pipe = ppdiffusers.DiTPipeline(
+        transformer=tiny_dit_transformer("ada_norm_zero", seed), vae=tiny_vae(seed), scheduler=make_scheduler(scheduler)
+    )
+    return _finish(pipe)
+
+
+def load_local_pipeline(folder: str, dtype: str = "float32", scheduler: Optional[str] = None):
+    """Load a pipeline saved with ``save_pretrained`` (or downloaded beforehand) from a local ``folder``, without
+    ppdiffusers' loading bar (its setting is restored afterwards)."""
+    paddle, ppdiffusers, _ = _libs()
+    if not os.path.isfile(os.path.join(folder, "model_index.json")):
+        raise ValueError(f"--model must be a local pipeline folder with a model_index.json; got {folder!r}")
+    kwargs: Dict[str, Any] = {"paddle_dtype": getattr(paddle, dtype)}
+    from ppdiffusers.utils import logging as ppdiffusers_logging
+
+    shown = ppdiffusers_logging.is_progress_bar_enabled()
+    ppdiffusers_logging.disable_progress_bar()  # ("Loading pipeline components..." on stderr: noise for a CLI)
+    try:
+        pipe = ppdiffusers.DiffusionPipeline.from_pretrained(folder, **kwargs)
+    finally:
+        if shown:
+            ppdiffusers_logging.enable_progress_bar()
+    if scheduler is not None:
+        pipe.scheduler = make_scheduler(scheduler)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe

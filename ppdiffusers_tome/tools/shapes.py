@@ -1,0 +1,70 @@
+"""The trained shapes pipeline that ships inside the package, for the offline demo, and how to load it.
+
+``shapes_model/pipeline/`` is a ``save_pretrained`` folder (UNet, VAE, text encoder, tokenizer, DDIM scheduler):
+a small text-to-image model trained on 64x64 images of coloured shapes on plain backgrounds; ``training.json`` beside
+it records the commands and step counts that made it (the training code is in the repository's ``research/``, not
+in the package). Nothing is downloaded: the pipeline loads with ``StableDiffusionPipeline.from_pretrained``, which
+is all :func:`load_pipeline` does.
+
+What it can show: it draws the background colour a caption names reliably, and a shape's colour most of the time;
+it does not draw a shape's outline or its position reliably. So its images show what merging does to colours and
+flat regions, not to fine structure.
+
+    >>> from ppdiffusers_tome.tools import shapes
+    >>> shapes.DEMO_PROMPT
+    'a large red star at the top left on a blue background'
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Dict
+
+__all__ = ["DEMO_GUIDANCE", "DEMO_PROMPT", "DEMO_STEPS", "MODEL_DIR", "has_weights", "load_pipeline",
+           "pipeline_folder", "training_info"]
+
+MODEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shapes_model")
+# What the demo draws by default: every word is in the dataset's grammar (a single object, so its position is named)
+DEMO_PROMPT = "a large red star at the top left on a blue background"
+DEMO_GUIDANCE = 4.0  # classifier-free guidance that suits the small model (SD's 7.5 over-saturates its colours)
+DEMO_STEPS = 20  # DDIM steps: the small model needs more than the 8 the random presets are timed with
+
+
+def pipeline_folder() -> str:
+    """The folder of the shipped pipeline (``model_index.json`` and one folder per component)."""
+    return os.path.join(MODEL_DIR, "pipeline")
+
+
+def has_weights() -> bool:
+    """Whether this installation carries the trained weights (a source tree or a wheel built from one does)."""
+    return os.path.isfile(os.path.join(pipeline_folder(), "model_index.json"))
+
+
+def load_pipeline(dtype: str = "float32", folder: str = ""):
+    """The shipped text-to-image pipeline (``StableDiffusionPipeline`` with DDIM), loaded offline from
+    ``folder`` (default :func:`pipeline_folder`) in ``dtype``; the progress bar is off.
+
+        >>> from ppdiffusers_tome.tools import shapes
+        >>> pipe = shapes.load_pipeline()
+        >>> image = pipe(shapes.DEMO_PROMPT, num_inference_steps=4, guidance_scale=shapes.DEMO_GUIDANCE,
+        ...              height=64, width=64, output_type="np").images[0]
+        >>> image.shape
+        (64, 64, 3)
+    """
+    from .presets import load_local_pipeline
+
+    if not folder and not has_weights():
+        raise FileNotFoundError(
+            f"the trained shapes weights are missing from {MODEL_DIR}; reinstall the package (the repository's "
+            "research/shapes/train.py and training.json there reproduce them)")
+    return load_local_pipeline(folder or pipeline_folder(), dtype=dtype)
+
+
+def training_info() -> Dict[str, Any]:
+    """What ``training.json`` records: the commands that made the weights, their step counts and accuracy."""
+    path = os.path.join(MODEL_DIR, "training.json")
+    if not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
