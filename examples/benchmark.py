@@ -10,7 +10,7 @@ import logging
 import os
 
 from ppdiffusers_tome.tools import bench
-from ppdiffusers_tome.presets import available_presets, load_local_pipeline, preset_pipeline
+from ppdiffusers_tome.presets import DTYPES, available_presets, check_dtype, load_local_pipeline, preset_pipeline
 from ppdiffusers_tome.quiet import configure_logging
 
 logger = logging.getLogger("benchmark")
@@ -26,10 +26,15 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--output", default=os.path.join("outputs", "examples", "benchmark"))
+    parser.add_argument("--dtype", choices=DTYPES, default="float32", help="float16/bfloat16 need a GPU build of Paddle")
     args = parser.parse_args(argv)
     configure_logging()  # plain INFO lines (Paddle puts a timestamped handler on the root logger)
+    try:
+        check_dtype(args.dtype)
+    except ValueError as error:
+        parser.error(str(error))
 
-    pipe = load_local_pipeline(args.model) if args.model else preset_pipeline(args.preset)
+    pipe = load_local_pipeline(args.model, dtype=args.dtype) if args.model else preset_pipeline(args.preset, dtype=args.dtype)
     settings = bench.BenchSettings(resolutions=[args.resolution], ratios=args.ratios, steps=args.steps,
                                    repeats=args.repeats, methods=("vanilla", "tome", "bound"))
     cells = bench.run_grid(pipe, settings)

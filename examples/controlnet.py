@@ -15,7 +15,7 @@ import paddle
 from PIL import Image
 
 from ppdiffusers_tome.tools.images import side_by_side
-from ppdiffusers_tome.presets import load_local_pipeline, preset_pipeline
+from ppdiffusers_tome.presets import DTYPES, check_dtype, load_local_pipeline, preset_pipeline
 from ppdiffusers_tome.quiet import configure_logging
 
 logger = logging.getLogger("controlnet")
@@ -41,10 +41,15 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--ratio", type=float, default=0.5)
     parser.add_argument("--output", default=os.path.join("outputs", "examples", "controlnet"))
+    parser.add_argument("--dtype", choices=DTYPES, default="float32", help="float16/bfloat16 need a GPU build of Paddle")
     args = parser.parse_args(argv)
     configure_logging()  # plain INFO lines (Paddle puts a timestamped handler on the root logger)
+    try:
+        check_dtype(args.dtype)
+    except ValueError as error:
+        parser.error(str(error))
 
-    pipe = load_local_pipeline(args.model) if args.model else preset_pipeline("tiny-controlnet")
+    pipe = load_local_pipeline(args.model, dtype=args.dtype) if args.model else preset_pipeline("tiny-controlnet", dtype=args.dtype)
     control = Image.open(args.control).convert("RGB") if args.control else edge_map(args.resolution)
     os.makedirs(args.output, exist_ok=True)
     control.save(os.path.join(args.output, "control.png"))

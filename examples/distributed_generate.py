@@ -27,7 +27,7 @@ import paddle
 import paddle.distributed as dist
 from PIL import Image
 
-from ppdiffusers_tome.presets import load_local_pipeline, preset_pipeline
+from ppdiffusers_tome.presets import DTYPES, check_dtype, load_local_pipeline, preset_pipeline
 from ppdiffusers_tome.quiet import configure_logging
 
 logger = logging.getLogger("distributed_generate")
@@ -80,8 +80,13 @@ def main(argv=None):
     parser.add_argument("--ratio", type=float, default=0.5)
     parser.add_argument("--output", default=os.path.join("outputs", "examples", "distributed_generate"))
     argv = sys.argv[1:] if argv is None else list(argv)
+    parser.add_argument("--dtype", choices=DTYPES, default="float32", help="float16/bfloat16 need a GPU build of Paddle")
     args = parser.parse_args(argv)
     configure_logging()  # plain INFO lines (Paddle puts a timestamped handler on the root logger)
+    try:
+        check_dtype(args.dtype)
+    except ValueError as error:
+        parser.error(str(error))
     if args.nproc is not None and under_launcher():
         logger.warning("--nproc %d ignored: this process was started by Paddle's launcher", args.nproc)
     elif args.nproc is not None:
@@ -95,7 +100,7 @@ def main(argv=None):
     if world > 1:
         dist.init_parallel_env()
     rank = dist.get_rank()
-    pipe = load_local_pipeline(args.model) if args.model else preset_pipeline("tiny")
+    pipe = load_local_pipeline(args.model, dtype=args.dtype) if args.model else preset_pipeline("tiny", dtype=args.dtype)
     pipe.apply_tome(ratio=args.ratio)
 
     mine = []

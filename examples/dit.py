@@ -14,7 +14,7 @@ import os
 import ppdiffusers_tome  # noqa: F401  (imported first: it keeps the import-time warnings of Paddle quiet)
 import paddle
 
-from ppdiffusers_tome.presets import load_local_pipeline
+from ppdiffusers_tome.presets import DTYPES, check_dtype, load_local_pipeline
 from ppdiffusers_tome.quiet import configure_logging
 from ppdiffusers_tome.testing import tiny_dit_pipeline
 
@@ -29,10 +29,17 @@ def main(argv=None):
     parser.add_argument("--ratio", type=float, default=0.5)
     parser.add_argument("--method", choices=["tome", "todo"], default="tome")
     parser.add_argument("--output", default=os.path.join("outputs", "examples", "dit"))
+    parser.add_argument("--dtype", choices=DTYPES, default="float32", help="float16/bfloat16 need a GPU build of Paddle")
     args = parser.parse_args(argv)
     configure_logging()  # plain INFO lines (Paddle puts a timestamped handler on the root logger)
+    try:
+        check_dtype(args.dtype)
+    except ValueError as error:
+        parser.error(str(error))
 
-    pipe = load_local_pipeline(args.model) if args.model else tiny_dit_pipeline()
+    pipe = load_local_pipeline(args.model, dtype=args.dtype) if args.model else tiny_dit_pipeline()
+    if not args.model and args.dtype != "float32":
+        pipe.to(dtype=args.dtype)
     os.makedirs(args.output, exist_ok=True)
     for run in ("vanilla", args.method):
         if run != "vanilla":

@@ -16,6 +16,7 @@ from PIL import Image
 from ppdiffusers_tome.tools.images import side_by_side
 from ppdiffusers_tome.patch import get_patch
 from ppdiffusers_tome.quiet import configure_logging
+from ppdiffusers_tome.presets import DTYPES, check_dtype
 from ppdiffusers_tome.testing import tiny_controlnet_pipeline
 
 logger = logging.getLogger("multi_controlnet")
@@ -37,10 +38,17 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--ratio", type=float, default=0.5)
     parser.add_argument("--output", default=os.path.join("outputs", "examples", "multi_controlnet"))
+    parser.add_argument("--dtype", choices=DTYPES, default="float32", help="float16/bfloat16 need a GPU build of Paddle")
     args = parser.parse_args(argv)
     configure_logging()  # plain INFO lines (Paddle puts a timestamped handler on the root logger)
+    try:
+        check_dtype(args.dtype)
+    except ValueError as error:
+        parser.error(str(error))
 
     pipe = tiny_controlnet_pipeline(num_controlnets=2)
+    if args.dtype != "float32":
+        pipe.to(dtype=args.dtype)
     controls = conditions(args.resolution)
     os.makedirs(args.output, exist_ok=True)
     for name, control in zip(("control_stripes", "control_square"), controls):

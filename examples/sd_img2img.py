@@ -13,7 +13,7 @@ import numpy as np
 import paddle
 from PIL import Image
 
-from ppdiffusers_tome.presets import load_local_pipeline, preset_pipeline
+from ppdiffusers_tome.presets import DTYPES, check_dtype, load_local_pipeline, preset_pipeline
 from ppdiffusers_tome.quiet import configure_logging
 
 logger = logging.getLogger("sd_img2img")
@@ -39,12 +39,17 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--ratio", type=float, default=0.5)
     parser.add_argument("--output", default=os.path.join("outputs", "examples", "sd_img2img"))
+    parser.add_argument("--dtype", choices=DTYPES, default="float32", help="float16/bfloat16 need a GPU build of Paddle")
     args = parser.parse_args(argv)
     configure_logging()  # plain INFO lines (Paddle puts a timestamped handler on the root logger)
+    try:
+        check_dtype(args.dtype)
+    except ValueError as error:
+        parser.error(str(error))
 
     import ppdiffusers
 
-    base = load_local_pipeline(args.model) if args.model else preset_pipeline("tiny")
+    base = load_local_pipeline(args.model, dtype=args.dtype) if args.model else preset_pipeline("tiny", dtype=args.dtype)
     pipe = ppdiffusers.StableDiffusionImg2ImgPipeline(**base.components)  # same weights, img2img pipeline
     pipe.set_progress_bar_config(disable=True)
     init = start_image(args.image, args.resolution)

@@ -39,9 +39,11 @@ def test_demo_writes_table_png_and_json(tmp_path, capsys):
     with Image.open(tmp_path / "demo.png") as png:
         png.verify()
     with Image.open(tmp_path / "demo.png") as png:
-        # vanilla, two ratios, difference, each enlarged to a readable tile under a label row of its own
+        # vanilla, two ratios, difference, each enlarged to a readable tile under a label row of its own, and a
+        # scale bar under the difference (a preset's images need no caption)
         layout = row_layout([(32, 32)] * 4, ["vanilla", "ToMe 0.30", "ToMe 0.50", "|diff| x4 (0.50)"])
-        assert png.size == layout.size and min(layout.tile) >= MIN_TILE
+        assert png.size[0] == layout.size[0] and layout.size[1] < png.size[1] < layout.size[1] + 40
+        assert min(layout.tile) >= MIN_TILE
 
 
 def test_demo_json_is_strict_json(tmp_path):
@@ -371,3 +373,16 @@ def test_library_import_leaves_warnings_and_logging_alone():
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "False True"
     assert "No ccache found" not in done.stderr and "Setuptools is replacing distutils" not in done.stderr
+
+
+@pytest.mark.parametrize("argv,option", [(["demo", "--resolution", "384"], "--resolution 384"),
+                                         (["bench", "--model", "shapes", "--resolutions", "64", "128"],
+                                          "--resolutions 128")])
+def test_the_shapes_model_refuses_another_size_before_anything_runs(argv, option, tmp_path, capsys, monkeypatch):
+    from ppdiffusers_tome.tools import presets
+
+    monkeypatch.setattr(presets, "load_local_pipeline", lambda *a, **k: pytest.fail("loaded the model"))
+    assert main(argv + ["--output", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert option in err and "64x64 images only" in err and "--preset sd15-narrow" in err
+    assert not (tmp_path / "out").exists()

@@ -109,7 +109,7 @@ def test_distributed_example_does_not_relaunch_under_the_launcher(monkeypatch):
     module = distributed_module()
     launched = []
     monkeypatch.setitem(module["main"].__globals__, "launch", lambda *a: launched.append(a) or 0)
-    monkeypatch.setitem(module["main"].__globals__, "preset_pipeline", lambda name: (_ for _ in ()).throw(
+    monkeypatch.setitem(module["main"].__globals__, "preset_pipeline", lambda name, **_: (_ for _ in ()).throw(
         RuntimeError("stop after the launch decision")))
     monkeypatch.setenv("PADDLE_TRAINER_ID", "0")
     with pytest.raises(RuntimeError, match="stop after the launch decision"):
@@ -120,3 +120,30 @@ def test_distributed_example_does_not_relaunch_under_the_launcher(monkeypatch):
     with pytest.raises(SystemExit):
         module["main"](["--nproc", "2"])
     assert len(launched) == 1 and launched[0][0] == 2
+
+
+@pytest.mark.parametrize("script", [name for name in SCRIPTS])
+def test_every_example_takes_dtype_and_refuses_half_precision_on_a_cpu(script, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", [script, "--dtype", "float16", "--output", str(tmp_path)])
+    with pytest.raises(SystemExit) as done:
+        runpy.run_path(os.path.join(EXAMPLES, script), run_name="__main__")
+    assert done.value.code == 2
+    assert "--dtype float16 needs a GPU" in capsys.readouterr().err
+    assert not [name for name in os.listdir(tmp_path) if name.endswith(".png")]
+
+
+@pytest.mark.parametrize("script", ["sd_txt2img.py", "beyond_tomesd.py"])
+def test_timing_examples_warm_up_before_they_time(script, tmp_path, monkeypatch):
+    """Each configuration is called once with one step before the timed call, so first-call work is not timed."""
+    from ppdiffusers import StableDiffusionPipeline
+
+    steps, real = [], StableDiffusionPipeline.__call__
+
+    def record(self, *args, **kwargs):
+        steps.append(kwargs.get("num_inference_steps"))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(StableDiffusionPipeline, "__call__", record)
+    monkeypatch.setattr(sys, "argv", [script, "--steps", "2", "--output", str(tmp_path)])
+    runpy.run_path(os.path.join(EXAMPLES, script), run_name="__main__")
+    assert steps and steps[0::2] == [1] * (len(steps) // 2) and steps[1::2] == [2] * (len(steps) // 2)

@@ -6,7 +6,7 @@ import pytest
 from PIL import Image
 
 from ppdiffusers_tome.tools.bench.demo import demo_grid
-from ppdiffusers_tome.tools.images import MIN_TILE, row_layout, side_by_side
+from ppdiffusers_tome.tools.images import MIN_TILE, SCALE_HEIGHT, row_layout, side_by_side
 
 
 # labelled rows -----------------------------------------------------------------------------------------------------
@@ -74,7 +74,28 @@ def test_demo_grid_of_32_px_images_is_readable():
     rows = [{"method": "vanilla", "ratio": 0.0}, {"method": "tome", "ratio": 0.3}, {"method": "tome", "ratio": 0.5}]
     grid = demo_grid(rows, images)
     layout = row_layout([(32, 32)] * 4, ["vanilla", "ToMe 0.30", "ToMe 0.50", "|diff| x4 (0.50)"])
-    assert grid.size == layout.size and min(layout.tile) >= MIN_TILE
+    assert grid.size[0] == layout.size[0] and min(layout.tile) >= MIN_TILE
     assert layout.labels == ["vanilla", "ToMe 0.30", "ToMe 0.50", "|diff| x4 (0.50)"]  # none shortened
+    # the row itself is unchanged above the scale bar
+    row = np.asarray(side_by_side([Image.fromarray((np.clip(t, 0, 1) * 255).round().astype("uint8"))
+                                   for t in images + [np.clip(np.abs(images[-1] - images[0]) * 4, 0, 1)]],
+                                  layout.labels))
+    np.testing.assert_array_equal(np.asarray(grid)[: layout.size[1]], row)
+
+
+def test_the_difference_panel_has_a_scale_bar_and_the_caption_is_drawn():
+    rng = np.random.default_rng(3)
+    images = [rng.uniform(0, 1, (32, 32, 3)) for _ in range(2)]
+    rows = [{"method": "vanilla", "ratio": 0.0}, {"method": "tome", "ratio": 0.5}]
+    plain, captioned = demo_grid(rows, images), demo_grid(rows, images, "a caption long enough to need two lines "
+                                                                         "in a row of three tiles of 128 px each")
+    layout = row_layout([(32, 32)] * 3, ["vanilla", "ToMe 0.50", "|diff| x4 (0.50)"])
+    left, _, right, bottom = layout.tile_boxes[-1]
+    ramp = np.asarray(plain.convert("L"))[bottom + 3 + SCALE_HEIGHT // 2, left + 1: right - 1].astype(int)
+    assert ramp[0] < 10 and ramp[-1] > 245 and (np.diff(ramp) >= 0).all()  # black at 0, white at 1/4 and above
+    under_first = np.asarray(plain.convert("L"))[bottom + 3: bottom + 3 + SCALE_HEIGHT, 2: left - 10]
+    assert (under_first == 255).all()  # the bar sits under the difference panel only
+    extra = np.asarray(captioned.convert("L"))[plain.size[1]:]
+    assert captioned.size[1] > plain.size[1] and (extra < 128).any()  # the caption's lines are drawn below
 
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 from PIL import Image, ImageDraw, ImageFont
 
-__all__ = ["MIN_TILE", "RowLayout", "label_font", "row_layout", "save_png", "side_by_side"]
+__all__ = ["MIN_TILE", "RowLayout", "annotate", "label_font", "row_layout", "save_png", "side_by_side"]
 
 
 def save_png(image: Image.Image, path: str) -> None:
@@ -119,4 +119,50 @@ def side_by_side(images: Sequence[Image.Image], labels: Sequence[str], min_tile:
         canvas.paste(shown, tile_box[:2])
         x = tile_box[0] + (layout.tile[0] - _text_width(font, text)) // 2 - font.getbbox(text)[0]
         draw.text((x, _PAD), text, fill="black", font=font)
+    return canvas
+
+
+SCALE_HEIGHT = 10  # px of the grey ramp of a scale bar
+
+
+def _wrapped(font: ImageFont.ImageFont, text: str, width: int) -> List[str]:
+    """``text`` cut into lines no wider than ``width`` px (whole words; a word wider than the line stands alone)."""
+    lines: List[str] = []
+    for word in text.split():
+        if lines and _text_width(font, lines[-1] + " " + word) <= width:
+            lines[-1] += " " + word
+        else:
+            lines.append(word)
+    return lines
+
+
+def annotate(row: Image.Image, scale_box: Optional[Tuple[int, int, int, int]] = None, low: str = "0",
+             high: str = "1", caption: str = "") -> Image.Image:
+    """``row`` with, below it, a scale bar under the tile at ``scale_box`` (a black-to-white ramp from ``low`` to
+    ``high``, labelled at its ends) and ``caption`` wrapped to the row's width.
+
+    >>> from PIL import Image
+    >>> image = annotate(Image.new("RGB", (200, 100), "white"), (100, 20, 200, 100), "0", "0.25", "a note")
+    >>> image.size[0], image.size[1] > 100
+    (200, True)
+    """
+    font = label_font(12)
+    ascent, descent = font.getmetrics()
+    line = ascent + descent + 2 * _PAD
+    lines = _wrapped(font, caption, row.size[0] - 2 * _PAD) if caption else []
+    bar = SCALE_HEIGHT + line + _PAD if scale_box is not None else 0
+    canvas = Image.new("RGB", (row.size[0], row.size[1] + bar + len(lines) * line), "white")
+    canvas.paste(row, (0, 0))
+    draw = ImageDraw.Draw(canvas)
+    if scale_box is not None:
+        left, right, top = scale_box[0], scale_box[2], row.size[1] + _PAD
+        for x in range(left, right):
+            shade = round(255 * (x - left) / max(right - left - 1, 1))
+            draw.line([(x, top), (x, top + SCALE_HEIGHT - 1)], fill=(shade, shade, shade))
+        draw.rectangle([left, top, right - 1, top + SCALE_HEIGHT - 1], outline="black")
+        draw.text((left, top + SCALE_HEIGHT), low, fill="black", font=font)
+        draw.text((right - _text_width(font, high) - font.getbbox(high)[0], top + SCALE_HEIGHT), high, fill="black",
+                  font=font)
+    for i, text in enumerate(lines):
+        draw.text((_PAD, row.size[1] + bar + i * line + _PAD), text, fill="black", font=font)
     return canvas

@@ -31,6 +31,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 
 __all__ = [
+    "DTYPES",
+    "check_dtype",
     "available_presets",
     "load_preset",
     "preset_summary",
@@ -447,6 +449,27 @@ def _assemble(name: str, scheduler: Optional[str] = None, seed: int = 0, dtype: 
     if kind == "controlnet":
         parts["controlnet"] = _controlnet_part(config, unet, seed, num_controlnets)
     return _finish(getattr(ppdiffusers, _PIPELINES[kind][task])(**parts), dtype)
+
+
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+def check_dtype(dtype: str) -> None:
+    """Raise ``ValueError`` with a clear message unless ``dtype`` can run here: float16 and bfloat16 need a GPU
+    (Paddle's CPU build has no half-precision matmul).
+
+    >>> check_dtype("float32")
+    """
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}; got {dtype!r}")
+    if dtype == "float32":
+        return
+    paddle, _, _ = _libs()
+    if not (paddle.is_compiled_with_cuda() and str(paddle.device.get_device()).startswith("gpu")):
+        from ..api import GPU_INSTALL_HINT
+
+        raise ValueError(f"--dtype {dtype} needs a GPU: Paddle's CPU build has no half-precision matmul. On a CPU, "
+                         f"leave --dtype at float32 (the default); for half precision, {GPU_INSTALL_HINT}")
 
 
 def preset_pipeline(name: str = DEFAULT_PRESET, scheduler: Optional[str] = None, seed: int = 0, dtype: str = "float32"):

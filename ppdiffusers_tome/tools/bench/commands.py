@@ -16,12 +16,11 @@ from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Sequence, Tuple
 
 from .. import presets
-from ...api import GPU_INSTALL_HINT
 from ...config import ToMeConfig
 from ..images import save_png
 from ..measure import environment, on_gpu, set_threads
 from ..progress import ProgressBar
-from .demo import DEMO_LEGEND, demo_grid, demo_label, demo_rows, first_image, format_demo_table, noise_warning, \
+from .demo import DEMO_LEGEND, SHAPES_CAPTION, demo_grid, demo_label, demo_rows, first_image, format_demo_table, noise_warning, \
     single_run_note, unstable_runs
 from .devices import Device, default_device, is_out_of_memory, select_device
 from .inputs import pipeline_kwargs
@@ -62,11 +61,12 @@ def resolve_model(args: argparse.Namespace) -> bool:
     return wanted
 
 
-def check_dtype(dtype: str) -> None:
-    """Refuse half precision without a GPU (Paddle's CPU build has no half-precision matmul)."""
-    if dtype != "float32" and not on_gpu():
-        raise ValueError(f"--dtype {dtype} needs a GPU: Paddle's CPU build has no half-precision matmul. On a CPU, "
-                         f"leave --dtype at float32 (the default); for half precision, {GPU_INSTALL_HINT}")
+def refuse_other_sizes(native: int, sizes: Sequence[int], option: str) -> None:
+    """Refuse a size the shipped shapes model was not trained for (it would run, slowly, and draw nothing useful)."""
+    other = [size for size in sizes if size != native]
+    if other:
+        raise ValueError(f"{option} {' '.join(map(str, other))}: the shapes model draws {native}x{native} images only; "
+                         f"for another size use a preset, e.g. --preset sd15-narrow {option} {other[0]}")
 
 
 def model_layout(args: argparse.Namespace) -> Tuple[Any, int, str]:
@@ -97,7 +97,7 @@ def prepare(args: argparse.Namespace, dtype: str, resolutions: Sequence[int], im
     attention raises Paddle's out-of-memory error instead). Then the threads, and the model is loaded."""
     for ratio in args.ratios:  # validate every ratio before spending minutes on vanilla runs
         ToMeConfig(ratio=ratio, max_downsample=args.max_downsample)
-    check_dtype(dtype)
+    presets.check_dtype(dtype)
     if device.name != "gpu":
         layout, _, label = model_layout(args)
         presets.check_attention_memory(layout, resolutions, images, dtype, label, option)
@@ -168,12 +168,15 @@ def run_demo(args: argparse.Namespace) -> Dict[str, Any]:
     """``ppdiffusers-tome demo``: table on stdout, ``demo.png`` and ``results.json`` in ``--output``."""
     device = default_device()
     shapes = resolve_model(args)
-    size = args.resolution or model_layout(args)[1]
+    native = model_layout(args)[1]
+    if shapes:
+        refuse_other_sizes(native, [args.resolution or native], "--resolution")
+    size = args.resolution or native
     prepared = prepare(args, args.dtype, [size], 1, "--resolution", device)
     rows, images = measure_demo(prepared, args, size)
     os.makedirs(args.output, exist_ok=True)
     png = os.path.join(args.output, "demo.png")
-    demo_grid(rows, images).save(png)
+    demo_grid(rows, images, SHAPES_CAPTION if shapes else "").save(png)
     settings = {"resolution": size, "steps": args.steps, "repeats": args.repeats, "seed": args.seed,
                 "prompt": args.prompt, "guidance_scale": args.guidance_scale, "max_downsample": args.max_downsample,
                 "batch_size": 1}
@@ -196,8 +199,8 @@ def run_demo(args: argparse.Namespace) -> Dict[str, Any]:
     warning = "".join(text + "\n" for text in notes)
     if shapes:
         about = (f"The shapes model is small: at {size}x{size} px its finest attention holds {(size // 2) ** 2} tokens, "
-                 "where merging saves little time. It is here for the images; for speed, run a full-size preset "
-                 "(bash run.sh demo --preset sd15-narrow) or bench.\n")
+                 "where merging saves little time. It is here for the images (their colours and flat regions; see "
+                 "the caption of the PNG); for speed, run the demo with --preset sd15-narrow, or bench.\n")
     else:
         about = "" if args.model else "The images are noise: a preset has random weights (use --model for real images).\n"
     sys.stdout.write(
@@ -266,8 +269,10 @@ def run_bench(args: argparse.Namespace) -> Dict[str, Any]:
     """``ppdiffusers-tome bench``: tables on stdout, ``results.json`` and plots in ``--output``."""
     device = select_device(args.device)  # a CPU-only build refuses --device gpu here, before anything is built
     dtype = args.dtype or ("float16" if device.name == "gpu" else "float32")
-    resolve_model(args)  # --model shapes
+    shapes = resolve_model(args)  # --model shapes
     settings = bench_settings(args)
+    if shapes:
+        refuse_other_sizes(model_layout(args)[1], settings.resolutions, "--resolutions")
     method_list(settings)  # (parses and validates --variants)
     prepared = prepare(args, dtype, settings.resolutions, max(settings.batch_sizes), "--resolutions", device)
     with ProgressBar(total=grid_steps(settings), desc="bench", unit="runs") as bar:

@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import numpy as np
 from PIL import Image
 
-from ..images import side_by_side
+from ..images import annotate, row_layout, side_by_side
 from ..measure import median, render_table
 from .report import merges_nothing, single_run_text, speedup_label, speedup_range, spread_warning, unstable
 from .runner import Cell, RunOutputs
@@ -99,19 +99,29 @@ def format_demo_table(rows: List[Dict[str, Any]]) -> str:
     return render_table(lines)
 
 
+DIFF_GAIN = 4.0  # the difference panel shows |ToMe - vanilla| x 4: white is a difference of 1/4 or more
+SHAPES_CAPTION = ("What the shapes model can show: it draws the background colour a caption names and, most of the "
+                  "time, the shape's colour; it does not draw a shape's outline or position reliably. Compare colours "
+                  "and flat regions, not shapes.")
+
+
 def image_grid(tiles: Sequence[np.ndarray], labels: Sequence[str]) -> Image.Image:
-    """The images side by side (pixels in 0..1), each under its label: :func:`~ppdiffusers_tome.figure.side_by_side`,
-    so images smaller than :data:`~ppdiffusers_tome.figure.MIN_TILE` px are enlarged (nearest neighbour) and the
-    labels stay readable."""
+    """The images side by side (pixels in 0..1), each under its label:
+    :func:`~ppdiffusers_tome.tools.images.side_by_side`, so images smaller than
+    :data:`~ppdiffusers_tome.tools.images.MIN_TILE` px are enlarged (nearest neighbour) and the labels stay readable."""
     images = [Image.fromarray((np.clip(tile, 0, 1) * 255).round().astype("uint8")) for tile in tiles]
     return side_by_side(images, labels)
 
 
-def demo_grid(rows: Sequence[Dict[str, Any]], images: Sequence[np.ndarray]) -> Image.Image:
-    """Vanilla's image, each ratio's, and the difference of the last one to vanilla (x4), labelled."""
-    diff = np.clip(np.abs(images[-1] - images[0]) * 4.0, 0, 1)
-    labels = [demo_label(r["method"], r["ratio"]) for r in rows] + [f"|diff| x4 ({rows[-1]['ratio']:.2f})"]
-    return image_grid(list(images) + [diff], labels)
+def demo_grid(rows: Sequence[Dict[str, Any]], images: Sequence[np.ndarray], caption: str = "") -> Image.Image:
+    """Vanilla's image, each ratio's, and the difference of the last one to vanilla (x :data:`DIFF_GAIN`),
+    labelled; a scale bar under the difference (black 0, white 1/DIFF_GAIN or more, in pixel values 0..1) and
+    ``caption`` under the row."""
+    diff = np.clip(np.abs(images[-1] - images[0]) * DIFF_GAIN, 0, 1)
+    labels = [demo_label(r["method"], r["ratio"]) for r in rows] + [f"|diff| x{DIFF_GAIN:g} ({rows[-1]['ratio']:.2f})"]
+    tiles = list(images) + [diff]
+    layout = row_layout([(tile.shape[1], tile.shape[0]) for tile in tiles], labels)
+    return annotate(image_grid(tiles, labels), layout.tile_boxes[-1], "diff 0", f">= {1 / DIFF_GAIN:g}", caption)
 
 
 def unstable_runs(rows: Sequence[Dict[str, Any]], tolerance: float = 0.25) -> List[str]:
