@@ -13,13 +13,7 @@ from ppdiffusers_tome import api
 from ppdiffusers_tome.patch import ModelPatch, find_blocks, get_patch
 from ppdiffusers_tome.testing import tiny_controlnet_pipeline, tiny_sd_pipeline, tiny_unet
 from tests.conftest import run
-from tests.test_patch import hook_counts, unet_inputs
-
-
-def unet_output(unet, seed=0):
-    sample, t, context = unet_inputs(unet, seed=seed)
-    with paddle.no_grad():
-        return unet(sample, t, context).sample.numpy()
+from tests.unet_calls import hook_counts, unet_inputs, unet_output
 
 
 def test_methods_are_on_pipelines_and_models_and_call_this_package():
@@ -343,7 +337,7 @@ def test_the_install_recipe_named_in_half_precision_messages_exists_in_both_read
     assert "\n### 在 GPU 上安装\n" in readme_cn
 
 
-def test_tome_status_returns_the_users_schedule_even_when_it_cannot_be_copied():  # issue 18, item 7
+def test_tome_status_returns_the_users_schedule_even_when_it_cannot_be_copied():
     import threading
 
     class LockedSchedule:

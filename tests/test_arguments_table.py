@@ -1,4 +1,4 @@
-"""The Arguments tables of README.md and README_cn.md against ToMeConfig (issue #21): the same rows in both, exactly
+"""The Arguments tables of README.md and README_cn.md against ToMeConfig: the same rows in both, exactly
 ToMeConfig's fields, the defaults of the dataclass, and allowed values that ToMeConfig really accepts (and whose
 neighbours it really refuses), so that a change of the code without the docs, or of one README without the other,
 fails here.

@@ -10,12 +10,12 @@ import pytest
 from PIL import Image
 
 import ppdiffusers_tome
+from ppdiffusers_tome.patch import get_patch
+from ppdiffusers_tome.presets import preset_pipeline
 from ppdiffusers_tome.tools import bench
 from ppdiffusers_tome.tools.bench import runner, timesplit
 from ppdiffusers_tome.tools.cli import main
-from ppdiffusers_tome.patch import get_patch
-from ppdiffusers_tome.presets import preset_pipeline
-from tests.test_patch import unet_inputs
+from tests.unet_calls import unet_inputs
 
 QUICK = ["--resolutions", "32", "--steps", "1", "--repeats", "1", "--warmup", "0", "--threads", "1"]
 CELL_KEYS = {
@@ -224,7 +224,7 @@ def synthetic(label, speedup, psnr, rel_l2, runs, method="tome", merges=None, si
 
 
 def sdxl_like_cells(runs=3):
-    """The SDXL bench of issue #19: ``tome@0.5[level=1]`` merged nothing (SDXL has no transformer block at the
+    """An SDXL bench: ``tome@0.5[level=1]`` merged nothing (SDXL has no transformer block at the
     first level) yet timed 1.33x faster than vanilla on a busy machine."""
     return [
         synthetic("vanilla", 1.0, float("inf"), 0.0, [4.0] * runs, method="vanilla"),

@@ -49,7 +49,6 @@ def test_short_run_records_every_configuration_and_seed(short_run, bench):
 
 
 def test_real_images_row_scores_the_prompts_own_images(short_run):
-    from ppdiffusers_tome.tools import shapes as shipped
     from research.shapes import scoring
     from research.shapes.classifier import accuracy
 

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from ppdiffusers_tome.presets import available_presets, default_resolution, load_preset, preset_pipeline
 from ppdiffusers_tome.tools.cli import main
 from ppdiffusers_tome.tools.images import MIN_TILE, row_layout
-from ppdiffusers_tome.presets import available_presets, default_resolution, load_preset, preset_pipeline
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # subprocesses import this checkout's package, whatever the environment's editable install points at
@@ -147,9 +147,9 @@ def test_prompt_defaults_repeated_in_the_parser_equal_the_ones_used():
 
 
 def test_demo_without_a_source_runs_the_shipped_shapes_model_with_its_own_defaults():
+    from ppdiffusers_tome.tools import shapes as shipped
     from ppdiffusers_tome.tools.bench.commands import resolve_model
     from ppdiffusers_tome.tools.cli import build_parser
-    from ppdiffusers_tome.tools import shapes as shipped
 
     parser = build_parser()
     args = parser.parse_args(["demo"])
@@ -170,9 +170,9 @@ def test_demo_without_a_source_runs_the_shipped_shapes_model_with_its_own_defaul
 
 
 def test_model_shapes_names_the_shipped_folder_in_bench_too(tmp_path, monkeypatch):
+    from ppdiffusers_tome.tools import shapes as shipped
     from ppdiffusers_tome.tools.bench.commands import model_layout, resolve_model
     from ppdiffusers_tome.tools.cli import build_parser
-    from ppdiffusers_tome.tools import shapes as shipped
 
     args = build_parser().parse_args(["bench", "--model", "shapes"])
     assert resolve_model(args) is True and args.model == shipped.pipeline_folder()

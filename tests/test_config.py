@@ -87,7 +87,7 @@ def test_recompute_every_accepts_a_period_or_sorted_unique_steps():
     assert not ToMeConfig(method="todo", recompute_every=3).caches_plans  # ToDo has no plans to cache
 
 
-# issue #11, items 4 and 8: huge strides, and values of the wrong kind (arrays, tensors, numpy scalars, ...)
+# huge strides, and values of the wrong kind (arrays, tensors, numpy scalars, ...)
 def test_strides_are_bounded_with_a_message_naming_the_argument_and_range():
     from ppdiffusers_tome.config import MAX_STRIDE
 
@@ -217,7 +217,7 @@ def test_a_callable_ratio_returning_odd_values_is_refused_by_name():
     assert ToMeConfig(ratio=lambda p: np.float32(0.5)).ratio_at(0.5) == 0.5
 
 
-# issue #21 item 3: ToDo does not use ratio/sx/sy/use_rand/recompute_every, so it does not hold the ratio to the stride
+# ToDo does not use ratio/sx/sy/use_rand/recompute_every, so it does not hold the ratio to the stride
 # limit; they are still checked for their type, so garbage fails with a message naming the argument
 def test_todo_ignores_the_stride_limit_of_the_ratio_but_still_checks_its_type():
     assert ToMeConfig(method="todo", ratio=0.9).ratio == 0.9  # above 1 - 1/(sx*sy) = 0.75: ToDo does not use it

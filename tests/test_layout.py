@@ -6,10 +6,9 @@ from __future__ import annotations
 import ast
 import dataclasses
 import importlib.util
-import os
 import warnings
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional, Set, Tuple
+from typing import Dict, Iterator, List, Tuple
 
 import numpy as np
 import paddle

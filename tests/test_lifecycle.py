@@ -1,6 +1,6 @@
-"""Lifecycle of a patch under concurrency and interruption (issue #18): apply/remove from many threads at once
-(item 1), Ctrl-C / SystemExit inside a forward (item 4), shallow copies (item 13), a model called inside its own
-forward (item 14) and remove_tome from inside the model's own forward (item 15)."""
+"""Lifecycle of a patch under concurrency and interruption: apply/remove from many threads at once,
+Ctrl-C / SystemExit inside a forward, shallow copies, a model called inside its own forward, and remove_tome from
+inside the model's own forward."""
 
 import copy
 import sys
@@ -14,8 +14,7 @@ import pytest
 import ppdiffusers_tome
 from ppdiffusers_tome.patch import find_blocks, get_patch
 from ppdiffusers_tome.testing import tiny_unet
-from tests.test_patch import hook_counts
-from tests.test_reliability import step_sample, unet_inputs, unet_output
+from tests.unet_calls import hook_counts, step_sample, unet_inputs, unet_output
 
 
 @pytest.fixture
@@ -31,7 +30,7 @@ def hook_count(model):
     return sum(pre + post for pre, post in hook_counts(model))
 
 
-# item 1: apply and remove are atomic per model ----------------------------------------------------------------------
+# apply and remove are atomic per model ----------------------------------------------------------------------
 def test_threads_applying_and_removing_at_once_leave_one_consistent_patch(busy_switching):
     unet = tiny_unet()
     vanilla, vanilla_hooks = unet_output(unet), hook_count(unet)
@@ -80,7 +79,7 @@ def test_threads_applying_and_removing_at_once_leave_one_consistent_patch(busy_s
     np.testing.assert_array_equal(unet_output(unet), vanilla)
 
 
-# item 4: KeyboardInterrupt / SystemExit inside a forward ------------------------------------------------------------
+# KeyboardInterrupt / SystemExit inside a forward ------------------------------------------------------------
 def interrupt_inside_forward(unet, error, seed=99):
     """Call ``unet`` and raise ``error`` from inside its first transformer block (after attn1 ran on merged tokens),
     the way Ctrl-C lands in a notebook."""
@@ -133,7 +132,7 @@ def test_an_interrupt_inside_a_forward_ends_the_call(error):
 
 
 def test_a_call_held_in_another_thread_is_still_counted_in_flight():
-    from tests.test_reliability import call_held_inside_forward
+    from tests.unet_calls import call_held_inside_forward
 
     unet = ppdiffusers_tome.apply_tome(tiny_unet(), ratio=0.5)
     patch = get_patch(unet)
@@ -145,7 +144,7 @@ def test_a_call_held_in_another_thread_is_still_counted_in_flight():
     assert patch.calls_in_flight() == 0
 
 
-# item 13: shallow copies ---------------------------------------------------------------------------------------------
+# shallow copies ---------------------------------------------------------------------------------------------
 def test_a_shallow_copy_shares_the_patch_consistently():
     unet = tiny_unet()
     vanilla, vanilla_hooks, attrs = unet_output(unet), hook_count(unet), set(unet.__dict__)
@@ -180,7 +179,7 @@ def test_a_shallow_copy_shares_the_patch_consistently():
     np.testing.assert_array_equal(unet_output(deep), merged)
 
 
-# item 14: the model called inside its own forward ----------------------------------------------------------------------
+# the model called inside its own forward ----------------------------------------------------------------------
 def test_a_call_inside_the_models_own_forward_keeps_tome_in_both():
     unet = tiny_unet()
     vanilla = unet_output(unet)
@@ -205,7 +204,7 @@ def test_a_call_inside_the_models_own_forward_keeps_tome_in_both():
     assert ppdiffusers_tome.tome_stats(unet)["UNet2DConditionModel"]["calls"] == 4
 
 
-# item 15: remove_tome / apply_tome from inside the model's own forward -----------------------------------------------
+# remove_tome / apply_tome from inside the model's own forward -----------------------------------------------
 def test_remove_and_apply_from_inside_the_models_own_forward_are_refused():
     unet = tiny_unet()
     vanilla, vanilla_hooks = unet_output(unet), hook_count(unet)

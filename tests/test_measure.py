@@ -167,7 +167,7 @@ def test_op_counter_grows_by_exactly_the_ops_added():
 
 def test_merging_blocks_and_ops_added_per_block_on_a_tiny_unet():
     from ppdiffusers_tome.testing import tiny_unet
-    from tests.test_patch import unet_inputs
+    from tests.unet_calls import unet_inputs
 
     unet = tiny_unet()
     inputs = unet_inputs(unet, batch=2, hw=(16, 16))

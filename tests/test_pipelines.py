@@ -1,11 +1,10 @@
 """Every supported pipeline kind: runs with ToMe, really merges, and is bit-identical to vanilla after removal."""
 
 import numpy as np
+import paddle
 import pytest
 
 import ppdiffusers_tome
-import paddle
-
 from ppdiffusers_tome.patch import get_patch
 from ppdiffusers_tome.testing import (
     tiny_controlnet_pipeline,

@@ -2,9 +2,7 @@
 cannot fit before anything is built, and the one assembly path of the embedded models (the tiny test models are
 presets too; ppdiffusers_tome.testing only re-exports them)."""
 
-import ast
 import json
-import os
 
 import numpy as np
 import paddle
@@ -12,8 +10,6 @@ import pytest
 from ppdiffusers import UNet2DConditionModel
 from ppdiffusers.models.attention_processor import Attention
 
-from ppdiffusers_tome import testing
-from ppdiffusers_tome.tools import presets
 from ppdiffusers_tome.presets import (
     available_memory_bytes,
     available_presets,
@@ -31,6 +27,7 @@ from ppdiffusers_tome.presets import (
     tiny_unet,
     tiny_vae,
 )
+from ppdiffusers_tome.tools import presets
 
 GIB = 1024**3
 
@@ -128,7 +125,7 @@ def test_folder_layout_reads_the_saved_configs(tmp_path):
     assert folder_layout(str(tmp_path / "missing")) is None
 
 
-# one home for the embedded models (issue #12) ---------------------------------------------------------------------
+# one home for the embedded models --------------------------------------------------------------------------------
 def weights(pipe):
     """``{component.parameter: array}`` of every model in ``pipe`` (MultiControlNet nets included)."""
     return {f"{name}.{key}": value.numpy() for name, component in pipe.components.items()

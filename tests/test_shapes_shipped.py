@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 from ppdiffusers_tome.tools import shapes as shipped
-
 from research.shapes import scoring
 from research.shapes.classifier import HEADS, accuracy
 
@@ -40,7 +39,7 @@ def test_training_record_names_the_commands_that_reproduce_the_weights():
     info = shipped.training_info()
     assert "research.shapes.train" in info["pipeline"]["command"]
     assert "--max-steps" in info["pipeline"]["command"] and "--vae-steps" in info["pipeline"]["command"]
-    assert info["pipeline"]["minutes"] <= 45  # the budget on this machine class
+    assert info["pipeline"]["minutes"] <= 45  # the training budget on this machine class
     assert "research.shapes.classifier" in info["classifier"]["command"]
     with open(os.path.splitext(scoring.CLASSIFIER_PATH)[0] + ".json", encoding="utf-8") as f:
         accuracy_record = json.load(f)["accuracy"]

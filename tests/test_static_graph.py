@@ -11,7 +11,7 @@ from ppdiffusers_tome.ops import partition, windows
 from ppdiffusers_tome.ops.cache import clear_cache
 from ppdiffusers_tome.patch import ToMeStaticGraphError
 from ppdiffusers_tome.testing import tiny_unet
-from tests.test_patch import unet_inputs
+from tests.unet_calls import unet_inputs
 
 
 class NoisePredictor(paddle.nn.Layer):
@@ -123,7 +123,7 @@ PROMISED = [dict(), dict(use_rand=False), dict(method="todo"), dict(match_window
 @pytest.mark.parametrize("mode", ["sot", "full_graph"])
 @pytest.mark.parametrize("options", PROMISED, ids=["defaults", "no-rand", "todo", "local-shared", "feature-shared"])
 def test_every_promised_option_converts_cold_and_warm_in_both_modes_and_equals_eager(options, mode):
-    """Issue #18 item 2: in SOT mode the defaults failed cold (a tensor cache written during the simulation) and
+    """In SOT mode the defaults once failed cold (a tensor cache written during the simulation) and
     warm (a comprehension's closure cell in the salts), use_rand=False cold, ToDo (a property), local matching
     (a nested function, super()). Cold: nothing cached by the merge core; warm: after an eager forward."""
     reference = small_unet()
@@ -158,7 +158,7 @@ def test_every_promised_option_converts_cold_and_warm_in_both_modes_and_equals_e
     ],
 )
 def test_options_that_change_shapes_by_timestep_refuse_conversion_with_a_clear_error(options, named, mode):
-    """Issue #21 item 1: in SOT mode these failed with an InnerError (numpy uint64) instead of the named error."""
+    """In SOT mode these once failed with an InnerError (numpy uint64) instead of the named error."""
     unet = small_unet()
     unet.apply_tome(**options)
     inputs = unet_inputs(unet)

@@ -17,8 +17,7 @@ from typing import Any, Dict, Iterator, List, Sequence, Tuple
 
 from .. import presets
 from ...config import ToMeConfig
-from ..images import save_png
-from ..measure import environment, on_gpu, set_threads
+from ..measure import environment, set_threads
 from ..progress import ProgressBar
 from .demo import DEMO_LEGEND, SHAPES_CAPTION, demo_grid, demo_label, demo_rows, first_image, format_demo_table, noise_warning, \
     single_run_note, unstable_runs

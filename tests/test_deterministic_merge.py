@@ -1,4 +1,4 @@
-"""The deterministic merge of the GPU kernels (``deterministic=True``, issue #16 item 3), run on the CPU with
+"""The deterministic merge of the GPU kernels (``deterministic=True``), run on the CPU with
 ``merge.DEVICE_OVERRIDE = "gpu"``: it computes ToMe's merge (checked against the float64 numpy reference), uses
 no kernel that adds floats through atomics on a GPU (``index_add``, scatter-add and relatives), keeps within the
 temporaries bound of the default path, and exports with a dynamic batch."""
@@ -8,13 +8,12 @@ import paddle
 import pytest
 
 import ppdiffusers_tome
-import ppdiffusers_tome.merge as merge_module
-from ppdiffusers_tome.tools.measure import count_forward_ops, count_ops, ops_added_per_block
 from ppdiffusers_tome.merge import GroupMergePlan, bipartite_soft_matching_random2d, grid_partition
 from ppdiffusers_tome.testing import tiny_unet
+from ppdiffusers_tome.tools.measure import count_forward_ops, count_ops, ops_added_per_block
+from tests.cases import F32_TOL, GLOBAL_CASES, partition_of, tie_free_metric
 from tests.numpy_reference import reference_merge, reference_plan, reference_round_trip
-from tests.test_gpu_path import unet_call
-from tests.test_merge import CASES, F32_TOL, partition_of, tie_free_metric
+from tests.test_gpu_kernels import unet_call
 
 # kernels that add floats in an order a GPU does not fix (atomics): none may run in a deterministic merge
 ATOMIC_ADDS = ("index_add", "scatter", "scatter_nd_add", "put_along_axis", "index_put", "segment_pool")
@@ -33,7 +32,7 @@ def plans(metric, h, w, sx, sy, r, no_rand=False):
     return build(False), build(True)
 
 
-@pytest.mark.parametrize("batch,h,w,sx,sy,r,no_rand", CASES + [(2, 8, 8, 2, 2, 48, False), (1, 6, 6, 3, 3, 32, True)])
+@pytest.mark.parametrize("batch,h,w,sx,sy,r,no_rand", GLOBAL_CASES + [(2, 8, 8, 2, 2, 48, False), (1, 6, 6, 3, 3, 32, True)])
 def test_deterministic_merge_matches_the_numpy_reference(gpu_kernels, batch, h, w, sx, sy, r, no_rand):
     # the extra cases merge every src (no kept src: the merged rows are all dst) and have groups of up to 8 src
     src, dst = grid_partition(h, w, sx, sy, no_rand=no_rand, generator=7)

@@ -1,4 +1,4 @@
-"""The GPU path measured on CPU (issues #10 and #16): a forward patched with ``apply_tome()``'s defaults makes no
+"""The GPU path measured on CPU: a forward patched with ``apply_tome()``'s defaults makes no
 host<->device transfer beyond what the vanilla UNet makes (each one would be a device sync on a GPU); the GPU branch
 adds few eager operators per merging block, holds no temporary beyond the similarity and a few token-sized tensors,
 and keeps half-precision tokens in half precision, with the same decisions as float32 on real activations.
@@ -14,10 +14,10 @@ import pytest
 
 import ppdiffusers_tome
 import ppdiffusers_tome.merge as merge_module
-from ppdiffusers_tome.tools.measure import TransferCounter, count_forward_ops, count_ops, ops_added_per_block
 from ppdiffusers_tome.patch import find_blocks
 from ppdiffusers_tome.presets import preset_pipeline
 from ppdiffusers_tome.testing import tiny_unet
+from ppdiffusers_tome.tools.measure import TransferCounter, count_forward_ops, count_ops, ops_added_per_block
 from tests.half_on_cpu import half_kernels
 
 # Eager operators per merging block, plan + merge + unmerge and the block's share of the per-call partition table.
@@ -84,7 +84,7 @@ def test_patched_forward_adds_no_host_device_transfer(batch, timestep_kind, opti
 def test_ops_added_per_merging_block_within_budget(kind, options, monkeypatch, kernels):
     kernels(kind)
     unet = tiny_unet()
-    run = unet_call(unet, 2, 32, "[B]")  # 32 x 32 latent: 1024 tokens at the 1x level, as in the issue
+    run = unet_call(unet, 2, 32, "[B]")  # 32 x 32 latent: 1024 tokens at the 1x level
     vanilla = count_forward_ops(run, unet)
     ppdiffusers_tome.apply_tome(unet, **options)
     try:
@@ -119,7 +119,7 @@ def test_gpu_branch_plan_and_apply_op_counts(monkeypatch, kernels):
 
 @pytest.mark.parametrize("kind", ["gpu", "cpu"])
 def test_temporaries_stay_within_the_similarity_and_three_token_tensors(kind, monkeypatch, kernels):
-    # issue #16: the 0.3.0 GPU branch also held a float32 one-hot [B, r, Nd] (grows as B*N^2): 650 MiB here
+    # (the 0.3.0 GPU branch also held a float32 one-hot [B, r, Nd] (grows as B*N^2): 650 MiB here
     kernels(kind)
     batch, tokens, channels, side = 2, 16384, 64, 128
     num_dst = tokens // 4
@@ -185,7 +185,7 @@ def sd15_narrow_tokens():
 
 
 def test_float16_matching_decides_as_float32_on_real_activations(sd15_narrow_tokens, monkeypatch):
-    # issue #16 item 1: the GPU branch on float16 tokens (unit rows, similarity and its max in float16) against
+    # the GPU branch on float16 tokens (unit rows, similarity and its max in float16) against
     # float32, on the tokens of every 1x block of sd15-narrow at 512^2
     partition = merge_module.partition_table(64, 64, 2, 2, merge_module.step_key(500), 0, 1)[0]
     for x in sd15_narrow_tokens:

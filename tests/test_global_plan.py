@@ -1,4 +1,4 @@
-"""The pure merge core (ppdiffusers_tome/merge.py) against the float64 numpy reference in numpy_reference.py."""
+"""Global bipartite soft matching and its plan against a float64 numpy reference, on both kernel families (the GPU\nfamily run on the CPU): matching, merge, unmerge, r, ties, dtypes, shapes, non-finite and extreme tokens, and the\nGPU family's own promises (no single-row sort, half precision kept)."""
 
 import math
 
@@ -7,20 +7,15 @@ import paddle
 import pytest
 
 import ppdiffusers_tome.merge as merge_module
-from ppdiffusers_tome.ops import cache as cache_module, partition as partition_module
 from ppdiffusers_tome.merge import (
-    DownsamplePlan,
-    downsample_tokens,
     MergePlan,
     bipartite_soft_matching_random2d,
     compute_dtype,
     find_downsample,
     grid_partition,
-    max_ratio,
 )
+from tests.cases import F32_TOL, GLOBAL_CASES, partition_of, tie_free_metric
 from tests.numpy_reference import (
-    reference_downsample,
-    min_margin,
     reference_merge,
     reference_partition_top_left,
     reference_plan,
@@ -28,36 +23,8 @@ from tests.numpy_reference import (
     sort_rows,
 )
 
-F32_TOL = dict(rtol=1e-5, atol=1e-5)
 
-
-def tie_free_metric(seed, batch, h, w, channels, src, dst, r):
-    """Random metric whose matching decisions are separated by more than float32 noise (redrawn otherwise)."""
-    rng = np.random.default_rng(seed)
-    for _ in range(50):
-        metric = rng.standard_normal((batch, h * w, channels)).astype(np.float32)
-        if min_margin(metric, src, dst, r) > 2e-6:  # float32 cosine error is ~1e-7
-            return metric
-    raise AssertionError("could not draw a tie-free metric")
-
-
-def partition_of(plan):
-    return plan.src_pos.numpy(), plan.dst_pos.numpy()
-
-
-CASES = [
-    # batch, h, w, sx, sy, r, no_rand
-    (2, 8, 8, 2, 2, 32, True),
-    (1, 9, 11, 2, 2, 40, True),
-    (3, 7, 5, 2, 2, 10, False),
-    (2, 6, 9, 3, 2, 25, False),
-    (2, 16, 12, 2, 2, 96, False),
-    (2, 5, 13, 1, 2, 20, True),
-    (1, 4, 4, 2, 2, 1, False),
-]
-
-
-@pytest.mark.parametrize("batch,h,w,sx,sy,r,no_rand", CASES)
+@pytest.mark.parametrize("batch,h,w,sx,sy,r,no_rand", GLOBAL_CASES)
 def test_merge_and_round_trip_match_numpy_reference(batch, h, w, sx, sy, r, no_rand):
     src, dst = grid_partition(h, w, sx, sy, no_rand=no_rand, generator=7)
     metric = tie_free_metric(1, batch, h, w, 12, src, dst, r)
@@ -102,38 +69,6 @@ def test_grid_without_any_full_cell_is_identity():
     x = paddle.randn([1, 7, 4])  # a 1 x 7 grid has no 2 x 2 cell, so no dst
     merge, unmerge = bipartite_soft_matching_random2d(x, 7, 1, 2, 2, 3)
     assert merge(x) is x and unmerge(x) is x
-
-
-def test_random_partition_has_one_dst_per_cell_and_leftovers_are_src():
-    h, w, sx, sy = 7, 9, 2, 3
-    seen_slots = set()
-    for seed in range(30):
-        src, dst = grid_partition(h, w, sx, sy, no_rand=False, generator=seed)
-        assert sorted(np.concatenate([src, dst]).tolist()) == list(range(h * w))
-        rows, cols = dst // w, dst % w
-        cells = list(zip((rows // sy).tolist(), (cols // sx).tolist()))
-        assert len(set(cells)) == len(cells) == (h // sy) * (w // sx)
-        assert rows.max() < (h // sy) * sy and cols.max() < (w // sx) * sx  # leftover rows/columns hold no dst
-        seen_slots.update(zip((rows % sy).tolist(), (cols % sx).tolist()))
-    assert seen_slots == {(dy, dx) for dy in range(sy) for dx in range(sx)}
-
-
-def test_random_partition_is_reproducible_from_its_generator():
-    a = grid_partition(8, 8, 2, 2, no_rand=False, generator=np.random.default_rng(5))
-    b = grid_partition(8, 8, 2, 2, no_rand=False, generator=5)
-    c = grid_partition(8, 8, 2, 2, no_rand=False, generator=6)
-    np.testing.assert_array_equal(a[1], b[1])
-    assert not np.array_equal(a[1], c[1])
-
-
-def test_random_plan_does_not_touch_paddles_global_rng():
-    x = paddle.randn([2, 64, 8])
-    paddle.seed(123)
-    expected = paddle.randn([4]).numpy()
-    paddle.seed(123)
-    bipartite_soft_matching_random2d(x, 8, 8, 2, 2, 32, no_rand=False)
-    bipartite_soft_matching_random2d(x, 8, 8, 2, 2, 32, no_rand=False, generator=3)
-    np.testing.assert_array_equal(paddle.randn([4]).numpy(), expected)
 
 
 def test_all_zero_tokens_give_finite_outputs():
@@ -231,7 +166,7 @@ def test_float64_inputs_stay_float64():
 
 @pytest.mark.parametrize("kind", ["cpu", "gpu"])
 def test_float64_merge_is_float64_accurate(kind):
-    # issue #18 item 10: the weights 1/(1+k) were float32, so a float64 mean was only float32-accurate (7e-8)
+    # float64 tokens get float64 weights 1/(1+k): float32 weights would make a float64 mean only float32-accurate
     src, dst = grid_partition(8, 8, 2, 2, no_rand=True)
     metric = tie_free_metric(5, 2, 8, 8, 12, src, dst, 40).astype(np.float64)
     x = np.random.default_rng(6).standard_normal((2, 64, 5))
@@ -260,35 +195,6 @@ def test_plan_unpacks_as_merge_unmerge_pair():
     assert merge == plan.merge and unmerge == plan.unmerge
 
 
-def test_max_ratio():
-    assert max_ratio(2, 2) == 0.75 and max_ratio(1, 1) == 0.0 and math.isclose(max_ratio(3, 2), 5 / 6)
-
-
-def _tomesd_downsample(h, w, n):
-    return int(math.ceil(math.sqrt(h * w // n)))
-
-
-def test_find_downsample_is_right_for_every_sd_size_and_level():
-    tomesd_wrong = 0
-    for px_h in range(256, 1025, 8):
-        for px_w in range(256, 1025, 8):
-            h, w = px_h // 8, px_w // 8
-            for d in (1, 2, 4, 8):
-                n = math.ceil(h / d) * math.ceil(w / d)
-                assert find_downsample(h, w, n) == d, (h, w, d)
-                if d == 8 and _tomesd_downsample(h, w, n) != d:
-                    tomesd_wrong += 1
-    assert tomesd_wrong > 0  # the reason this function exists
-
-
-def test_find_downsample_for_odd_latent_and_unknown_counts():
-    assert find_downsample(9, 11, 4) == 8
-    assert _tomesd_downsample(9, 11, 4) == 5  # tomesd picks a 2 x 3 grid for 4 tokens and crashes
-    assert find_downsample(9, 11, 99) == 1
-    assert find_downsample(9, 11, 30) == 2
-    assert find_downsample(64, 64, 77) is None
-
-
 @pytest.mark.parametrize("h,w", [(9, 11), (13, 7), (33, 45), (64, 96)])
 def test_plans_at_every_level_of_odd_latents_match_reference(h, w):
     for d in (1, 2, 4, 8):
@@ -309,48 +215,14 @@ def test_plans_at_every_level_of_odd_latents_match_reference(h, w):
         )
 
 
-# ToDo's key/value downsampling -------------------------------------------------------------------------------------
-@pytest.mark.parametrize("mode", ["nearest", "average"])
-@pytest.mark.parametrize("h, w, factor", [(8, 8, 2), (16, 12, 4), (9, 11, 2), (7, 5, 3), (4, 4, 8)])
-def test_downsample_tokens_matches_numpy_reference(mode, h, w, factor):
-    x = np.random.default_rng(h * w + factor).standard_normal((2, h * w, 5)).astype("float32")
-    got = downsample_tokens(paddle.to_tensor(x), h, w, factor, mode)
-    expected = reference_downsample(x, h, w, factor, mode)
-    assert list(got.shape) == list(expected.shape)
-    np.testing.assert_allclose(got.numpy(), expected, rtol=1e-5, atol=1e-6)
-
-
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("mode", ["nearest", "average"])
-def test_downsample_tokens_keeps_half_dtypes(dtype, mode):
-    x = paddle.to_tensor(np.random.default_rng(1).standard_normal((1, 36, 4)).astype("float32"))
-    half = downsample_tokens(x.astype(dtype), 6, 6, 2, mode)
-    full = downsample_tokens(x.astype(dtype).astype("float32"), 6, 6, 2, mode)
-    assert half.dtype == x.astype(dtype).dtype
-    tol = 1e-2 if dtype == "bfloat16" else 1e-3
-    np.testing.assert_allclose(half.astype("float32").numpy(), full.numpy(), rtol=tol, atol=tol)
-
-
-def test_downsample_plan_counts_its_keys_and_rejects_bad_input():
-    plan = DownsamplePlan(num_tokens=99, batch_size=1, grid_h=9, grid_w=11, factor=2, mode="average")
-    assert plan.kv_tokens == 5 * 6 and not plan.is_identity
-    assert list(plan.keys_values(paddle.randn([1, 99, 3])).shape) == [1, 30, 3]
-    with pytest.raises(ValueError, match="mode must be one of"):
-        DownsamplePlan(4, 1, 2, 2, 2, mode="bilinear")
-    with pytest.raises(ValueError, match=r"x must be \[batch, h\*w=16, channels\]"):
-        downsample_tokens(paddle.randn([1, 15, 3]), 4, 4, 2)
-    x = paddle.randn([1, 16, 3])
-    assert downsample_tokens(x, 4, 4, 1) is x
-
-
-# the device path (issue #10): GPU kernels run on CPU, keyed partition, scale-free matching --------------------------
+# the GPU kernel family run on CPU, keyed partition, scale-free matching --------------------------
 @pytest.fixture
 def gpu_kernels(monkeypatch, kernels):
     """Run the GPU branch's logic (matching in the tokens' dtype, padded sort, no unmerge cast) on the CPU."""
     kernels("gpu")
 
 
-@pytest.mark.parametrize("batch,h,w,sx,sy,r,no_rand", CASES)
+@pytest.mark.parametrize("batch,h,w,sx,sy,r,no_rand", GLOBAL_CASES)
 def test_gpu_kernels_match_the_numpy_reference_and_the_cpu_kernels(gpu_kernels, batch, h, w, sx, sy, r, no_rand):
     src, dst = grid_partition(h, w, sx, sy, no_rand=no_rand, generator=7)
     metric = tie_free_metric(1, batch, h, w, 12, src, dst, r)
@@ -365,7 +237,7 @@ def test_gpu_kernels_match_the_numpy_reference_and_the_cpu_kernels(gpu_kernels, 
     np.testing.assert_array_equal(gpu.merge(x).numpy(), gpu.merge(x).numpy())  # fixed summation order
 
 
-# issue #21 item 7: the README and merge.py cite this test for "no synchronising sort": Paddle's GPU argsort of a
+# "no synchronising sort" (docs/gpu.md cites this test): Paddle's GPU argsort of a
 # single row takes a Thrust path that syncs with the host, so the GPU branch never sorts fewer than two rows
 @pytest.mark.parametrize("plan_kind", ["global", "deterministic", "local"])
 def test_gpu_kernels_never_sort_a_single_row(gpu_kernels, monkeypatch, plan_kind):
@@ -405,56 +277,6 @@ def test_gpu_kernels_unmerge_half_dtypes_without_a_float32_round_trip(gpu_kernel
     np.testing.assert_array_equal(out.astype("float32").numpy(), cpu.unmerge(y).astype("float32").numpy())
 
 
-def test_partition_table_draws_each_slot_uniformly_and_independently():
-    # 4 slots per cell; 40 timesteps x 4 blocks x 256 cells = 40960 draws: chi-square with 3 dof, and the
-    # transitions between neighbouring cells (15 dof) must look independent too
-    slots, pairs = np.zeros(4), np.zeros((4, 4))
-    for t in range(0, 1000, 25):
-        table = merge_module.partition_table(32, 32, 2, 2, merge_module.step_key(paddle.to_tensor([t])), 0, 4).numpy()
-        for row in table:
-            dst = np.sort(row[-256:])
-            cell = (dst // 32 // 2) * 16 + (dst % 32) // 2
-            slot = (dst // 32 % 2) * 2 + dst % 2
-            order = np.argsort(cell)
-            assert np.array_equal(cell[order], np.arange(256))  # one dst per cell
-            s = slot[order]
-            slots += np.bincount(s, minlength=4)
-            np.add.at(pairs, (s[:-1], s[1:]), 1)
-    expected = slots.sum() / 4
-    assert ((slots - expected) ** 2 / expected).sum() < 16.3  # p = 0.001 for 3 dof
-    expected_pairs = pairs.sum() / 16
-    assert ((pairs - expected_pairs) ** 2 / expected_pairs).sum() < 37.7  # p = 0.001 for 15 dof
-
-
-def test_partition_table_rows_differ_by_block_timestep_seed_and_grid():
-    key = merge_module.step_key
-    a = merge_module.partition_table(16, 16, 2, 2, key(paddle.to_tensor(999)), 0, 3).numpy()
-    assert len({tuple(row) for row in a}) == 3  # blocks
-    assert not np.array_equal(a, merge_module.partition_table(16, 16, 2, 2, key(paddle.to_tensor(981)), 0, 3).numpy())
-    assert not np.array_equal(a, merge_module.partition_table(16, 16, 2, 2, key(paddle.to_tensor(999)), 1, 3).numpy())
-    np.testing.assert_array_equal(a, merge_module.partition_table(16, 16, 2, 2, key(999), 0, 3).numpy())
-
-
-def test_seed_salts_use_every_bit_and_keep_the_old_salts_below_2_to_the_29():
-    salt = partition_module._seed_salt
-    assert salt(0) == 0 and salt(5) == (5 * partition_module._W_SEED) & partition_module.MASK31  # partitions of 0.4.0 kept
-    seeds = [0, 2**29, 2**30, 3 * 2**29, 2**31, 2**32, 2**62, 2**64 - 1]
-    assert len({salt(s) for s in seeds}) == len(seeds)
-    low = np.random.default_rng(0).choice(2**31, 20000, replace=False)
-    assert len({salt(int(s)) for s in low}) == len(low)  # one-to-one on [0, 2**31)
-    step = merge_module.step_key(999)
-    tables = [merge_module.partition_table(16, 16, 2, 2, step, s, 2).numpy() for s in (0, 2**29, 2**31)]
-    assert not np.array_equal(tables[0], tables[1]) and not np.array_equal(tables[0], tables[2])
-
-
-def test_step_key_is_the_same_for_a_batch_of_one_timestep_in_any_form():
-    key = lambda t: int(merge_module.step_key(t))  # noqa: E731
-    assert key(paddle.to_tensor(999)) == key(paddle.to_tensor([999, 999])) == key(999) == key(999.0)
-    assert key(paddle.to_tensor([999.0], dtype="float32")) == key(paddle.to_tensor([999]))
-    assert key(paddle.to_tensor([999, 500])) == key(999)  # the noisiest item decides
-    assert key(paddle.to_tensor(999.5)) != key(999)
-
-
 @pytest.mark.parametrize("scale", [1e-30, 1e-20, 1e19, 1e30])
 def test_matching_is_scale_free(scale):
     src, dst = grid_partition(8, 8, 2, 2, no_rand=True)
@@ -489,76 +311,3 @@ def test_non_finite_tokens_match_as_zero_vectors_and_never_poison_clean_ones():
     out = plan.unmerge(plan.merge(paddle.to_tensor(metric))).numpy()
     clean = [p for p in range(64) if p not in bad]
     assert np.isfinite(out[0, clean]).all()
-
-
-# the device cache: threads, a bound in bytes, clearing (issue 18, items 5 and 6) ------------------------------------
-def test_the_device_cache_is_safe_for_threads_planning_at_many_shapes(monkeypatch):
-    import threading
-    import time
-    from collections import OrderedDict
-
-    class Yielding(OrderedDict):
-        """The cache's table, letting other threads run between a lookup and its use (as a thread switch can)."""
-
-        def __contains__(self, key):
-            found = super().__contains__(key)
-            time.sleep(0)
-            return found
-
-        def move_to_end(self, *args, **kwargs):
-            time.sleep(0)
-            return super().move_to_end(*args, **kwargs)
-
-    merge_module.clear_cache()
-    monkeypatch.setattr(cache_module.CACHE, "size", 4)  # evictions all the time
-    monkeypatch.setattr(cache_module.CACHE, "items", Yielding())
-    errors, start = [], threading.Barrier(4)
-    shapes = [(h, w) for h in (4, 6, 8) for w in (4, 6, 8)]
-
-    def hammer(k):
-        start.wait()
-        try:
-            rng = np.random.default_rng(k)
-            for i in range(40):  # plans at many shapes, as four services with different image sizes make them
-                h, w = shapes[(i + k) % len(shapes)]
-                x = paddle.to_tensor(rng.standard_normal((1 + i % 2, h * w, 8)).astype("float32"))
-                plan = bipartite_soft_matching_random2d(x, w, h, 2, 2, h * w // 4, no_rand=True)
-                assert plan.merge(x).shape == [x.shape[0], h * w - h * w // 4, 8]
-        except BaseException as error:  # reported below
-            errors.append(error)
-
-    threads = [threading.Thread(target=hammer, args=(k,)) for k in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(120)
-    assert not errors, errors[:3]
-    assert len(cache_module.CACHE.items) <= 4
-    assert cache_module.CACHE.bytes == sum(cache_module._nbytes(v) for v in cache_module.CACHE.items.values())
-    merge_module.clear_cache()  # (the test's table goes)
-
-
-def test_the_device_cache_is_bounded_in_bytes_and_can_be_cleared(monkeypatch):
-    import ppdiffusers_tome
-
-    ppdiffusers_tome.clear_cache()
-    assert ppdiffusers_tome.cache_info()["entries"] == 0 and ppdiffusers_tome.cache_info()["bytes"] == 0
-    limit = 2**20
-    monkeypatch.setattr(cache_module.CACHE, "max_bytes", limit)
-    rng = np.random.default_rng(0)
-    expected = {}
-    for batch in range(1, 17):  # activation-sized buffers of a growing batch: [B, 256, 320] float32, B * 160 KiB
-        x = paddle.to_tensor(rng.standard_normal((batch, 256, 320)).astype("float32"))
-        plan = bipartite_soft_matching_random2d(x, 16, 16, 2, 2, 128, no_rand=True)
-        expected[batch] = (x, plan, plan.merge(x).numpy())
-        info = ppdiffusers_tome.cache_info()
-        assert info["bytes"] <= limit and info["max_bytes"] == limit, info
-    assert info["entries"] > 0
-    sizes = [cache_module._nbytes(value) for value in cache_module.CACHE.items.values()]
-    assert sum(sizes) == info["bytes"] and max(sizes) <= limit
-    freed = ppdiffusers_tome.clear_cache()
-    assert freed == info["bytes"] > 0
-    assert ppdiffusers_tome.cache_info()["entries"] == 0 and ppdiffusers_tome.cache_info()["bytes"] == 0
-    for x, plan, merged in expected.values():  # plans made before the clear still merge, and the same
-        np.testing.assert_array_equal(plan.merge(x).numpy(), merged)
-    assert merge_module.DEFAULT_CACHE_BYTES == cache_module.DeviceCache().max_bytes == 64 * 2**20

@@ -1,0 +1,141 @@
+"""Faults and recovery: reset_tome never disturbs a call in flight, a generation retried after a fault matches a\nfresh model, an early exception spends no warning, changes refuse while a forward runs, a NaN timestep is a clear\nerror."""
+
+# items 1, 5, 6, 7, 9: threads, a retry after a fault, early exceptions, non-finite timesteps ----------------------
+import contextlib  # noqa: E402
+import pickle
+import warnings  # noqa: E402
+
+import numpy as np
+import paddle
+import pytest
+
+import ppdiffusers_tome
+from ppdiffusers_tome.patch import (
+    get_patch,
+)
+from ppdiffusers_tome.testing import (
+    tiny_sdxl_unet,  # noqa: E402
+    tiny_unet,
+)
+from tests.unet_calls import call_held_inside_forward, hook_tables, sdxl_call, step_sample, unet_inputs, unet_output
+
+
+def test_hooks_registered_after_unpickling_in_a_fresh_process_do_not_collide(monkeypatch):
+    from paddle.nn.layer.layers import HookRemoveHelper
+
+    unet = ppdiffusers_tome.apply_tome(tiny_unet(), ratio=0.5)
+    patched = unet_output(unet)
+    data = pickle.dumps(unet)
+    # a spawned worker that has registered fewer hooks so far: its next id is one that ToMe's hooks already use
+    monkeypatch.setattr(HookRemoveHelper, "next_hook_id", min(unet._forward_pre_hooks))
+    twin = pickle.loads(data)
+    seen = []
+    twin.register_forward_pre_hook(lambda *args: seen.append(1))
+    np.testing.assert_array_equal(unet_output(twin), patched)  # ToMe's own pre-hook still runs
+    assert seen == [1]
+    ppdiffusers_tome.remove_tome(twin)  # takes off ToMe's hooks only
+    unet_output(twin)
+    assert seen == [1, 1]
+
+
+@contextlib.contextmanager
+
+
+def test_reset_tome_does_not_disturb_a_call_in_flight_in_another_thread():
+    unet = tiny_unet()
+    vanilla = unet_output(unet)
+    ppdiffusers_tome.apply_tome(unet, ratio=0.5, seed=3)
+    patched = unet_output(unet)
+    assert np.abs(patched - vanilla).max() > 1e-4  # ToMe is active
+    assert ppdiffusers_tome.tome_stats(unet)["UNet2DConditionModel"]["calls"] == 1
+    with call_held_inside_forward(unet) as result:
+        ppdiffusers_tome.reset_tome(unet)
+        stats = ppdiffusers_tome.tome_stats(unet)["UNet2DConditionModel"]
+        assert stats["calls"] == stats["merges"] == stats["plans_computed"] == stats["plans_reused"] == 0
+    np.testing.assert_array_equal(result["output"], patched)
+    assert get_patch(unet).state.busy_elsewhere() == 0
+    np.testing.assert_array_equal(unet_output(unet), patched)  # and later calls are as before
+
+
+def test_a_generation_retried_after_a_fault_matches_a_fresh_model(monkeypatch):
+    timesteps = [999, 800, 600, 400]
+    context = unet_inputs(tiny_unet())[2]
+
+    def generation(unet):
+        outputs = []
+        with paddle.no_grad():
+            for i, t in enumerate(timesteps):
+                outputs.append(unet(step_sample(10 + i), paddle.to_tensor([t, t]), context).sample.numpy())
+        return outputs
+
+    fresh = ppdiffusers_tome.apply_tome(tiny_unet(), ratio=0.5, recompute_every=3)
+    expected = generation(fresh)
+
+    unet = ppdiffusers_tome.apply_tome(tiny_unet(), ratio=0.5, recompute_every=3)
+    failures = []
+
+    def fail_once(layer, inputs):
+        if not failures:
+            failures.append(1)
+            raise RuntimeError("simulated fault late in the forward")
+
+    handle = unet.conv_out.register_forward_pre_hook(fail_once)
+    with pytest.raises(RuntimeError, match="simulated fault"):
+        with paddle.no_grad():  # the first call of the generation, with other latents (a new seed on the retry)
+            unet(step_sample(99), paddle.to_tensor([999, 999]), context)
+    handle.remove()
+    assert get_patch(unet).state.busy_elsewhere() == 0
+    retried = generation(unet)
+    for got, want in zip(retried, expected):
+        np.testing.assert_array_equal(got, want)
+    assert ppdiffusers_tome.tome_stats(unet)["UNet2DConditionModel"]["plans_reused"] > 0  # the cache is in use
+
+
+def test_an_exception_before_any_block_neither_warns_nor_spends_the_warning():
+    unet = tiny_sdxl_unet()
+    ppdiffusers_tome.apply_tome(unet, ratio=0.5, max_downsample=1)  # its finest transformer level is 2
+    (sample, t, context), kwargs = sdxl_call()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with paddle.no_grad():
+            with pytest.raises(Exception):
+                unet(sample[:, :3], t, context, **kwargs)  # conv_in wants 4 channels
+    assert not [w for w in caught if "ToMe" in str(w.message)], [str(w.message) for w in caught]
+    assert get_patch(unet).state.busy_elsewhere() == 0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with paddle.no_grad():
+            unet(sample, t, context, **kwargs)  # a genuine case of merging nothing
+    assert len([w for w in caught if "merged no tokens" in str(w.message)]) == 1
+
+
+def test_remove_and_apply_refuse_while_another_thread_is_inside_a_forward():
+    unet = tiny_unet()
+    vanilla = unet_output(unet)
+    ppdiffusers_tome.apply_tome(unet, ratio=0.5, seed=3)
+    patch = get_patch(unet)
+    patched = unet_output(unet)
+    assert np.abs(patched - vanilla).max() > 1e-4
+    with call_held_inside_forward(unet) as result:
+        hooks = hook_tables(unet)  # ToMe's and the test's own hold hook
+        with pytest.raises(RuntimeError, match="running in other threads"):
+            ppdiffusers_tome.remove_tome(unet)
+        with pytest.raises(RuntimeError, match="running in other threads"):
+            ppdiffusers_tome.apply_tome(unet, ratio=0.3)
+        assert get_patch(unet) is patch and ppdiffusers_tome.tome_config(unet).ratio == 0.5
+        assert hook_tables(unet) == hooks  # no hook taken off, added or swapped
+    np.testing.assert_array_equal(result["output"], patched)
+    ppdiffusers_tome.remove_tome(unet)
+    assert get_patch(unet) is None
+    np.testing.assert_array_equal(unet_output(unet), vanilla)
+
+
+def test_a_nan_timestep_with_a_ratio_schedule_raises_and_leaves_the_model_working():
+    unet = ppdiffusers_tome.apply_tome(tiny_unet(), ratio=(0.6, 0.3))
+    expected = unet_output(ppdiffusers_tome.apply_tome(tiny_unet(), ratio=(0.6, 0.3)))
+    sample, _, context = unet_inputs(unet)
+    with pytest.raises(ValueError, match="not finite"):
+        with paddle.no_grad():
+            unet(sample, paddle.to_tensor([float("nan")] * 2), context)
+    assert get_patch(unet).state.busy_elsewhere() == 0
+    np.testing.assert_array_equal(unet_output(unet), expected)

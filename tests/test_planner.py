@@ -1,0 +1,241 @@
+"""The planner's decisions across calls and blocks: plans reused across steps (recompute_every), ratio\nschedules, plans shared per level, local plans (match_window) and min_tokens."""
+
+import warnings
+
+import numpy as np
+import paddle
+import pytest
+
+import ppdiffusers_tome
+from ppdiffusers_tome.config import ToMeConfig
+from ppdiffusers_tome.patch import ModelPatch, find_blocks, get_patch
+from ppdiffusers_tome.testing import tiny_unet
+from tests.conftest import run
+from tests.unet_calls import expected_block_output, plans_seen, unet_inputs
+
+
+def test_recompute_every_reuses_a_blocks_plan_for_k_steps_then_recomputes():
+    unet = tiny_unet()
+    sample, _, context = unet_inputs(unet, batch=2)
+    ppdiffusers_tome.apply_tome(unet, ratio=0.5, recompute_every=2)
+    steps = [dict(sample=sample, timestep=paddle.to_tensor([t, t]), encoder_hidden_states=context) for t in (999, 800, 600, 400, 200)]
+    plans = plans_seen(unet, steps)
+    assert plans[0] is plans[1] and plans[2] is plans[3] and plans[4] is not plans[2] and plans[2] is not plans[0]
+    # the reused plan keeps step 0's random partition although the timestep changed
+    assert not np.array_equal(plans[0].dst_pos.numpy(), plans[2].dst_pos.numpy())
+    stats = ppdiffusers_tome.tome_stats(unet)["UNet2DConditionModel"]
+    assert (stats["plans_computed"], stats["plans_reused"]) == (3 * 3, 2 * 3)  # steps 0, 2, 4 recompute; 3 blocks
+
+
+def test_recompute_at_listed_steps_and_restart_with_a_new_generation():
+    unet = tiny_unet()
+    sample, _, context = unet_inputs(unet, batch=1)
+    ppdiffusers_tome.apply_tome(unet, ratio=0.5, recompute_every=[0, 3])
+    at = lambda t: dict(sample=sample, timestep=paddle.to_tensor([t]), encoder_hidden_states=context)  # noqa: E731
+    plans = plans_seen(unet, [at(t) for t in (900, 700, 500, 300, 100)] + [at(900), at(700)])
+    assert plans[0] is plans[1] is plans[2] and plans[3] is plans[4] and plans[3] is not plans[0]
+    assert plans[5] is not plans[4] and plans[6] is plans[5]  # t went back up: a new generation starts at step 0
+    np.testing.assert_array_equal(plans[5].dst_pos.numpy(), plans[0].dst_pos.numpy())  # same timestep, same draw
+
+
+def test_plan_cache_keeps_the_two_halves_of_split_guidance_apart():
+    unet = tiny_unet()
+    sample, _, context = unet_inputs(unet, batch=2)
+    ppdiffusers_tome.apply_tome(unet, ratio=0.5, recompute_every=2)
+    calls = [dict(sample=sample[i : i + 1], timestep=paddle.to_tensor([t]), encoder_hidden_states=context[i : i + 1])
+             for t in (999, 900) for i in (0, 1)]
+    cond0, uncond0, cond1, uncond1 = plans_seen(unet, calls)
+    assert cond1 is cond0 and uncond1 is uncond0 and uncond0 is not cond0  # each half reuses its own matching
+
+
+def test_caching_changes_only_later_steps_and_stays_close_to_recomputing():
+    from ppdiffusers_tome.testing import tiny_sd_pipeline
+
+    pipe = tiny_sd_pipeline()
+    vanilla = run(pipe, steps=4)
+    pipe.apply_tome(ratio=0.5)
+    fresh = run(pipe, steps=4)
+    pipe.apply_tome(ratio=0.5, recompute_every=1)
+    np.testing.assert_array_equal(run(pipe, steps=4), fresh)  # k = 1 is the paper's behaviour exactly
+    pipe.apply_tome(ratio=0.5, recompute_every=4)
+    cached = run(pipe, steps=4)
+    stats = ppdiffusers_tome.tome_stats(pipe)["unet"]
+    assert (stats["plans_computed"], stats["plans_reused"]) == (3, 9)
+    assert 0 < np.abs(cached - fresh).max() and np.abs(cached - vanilla).mean() < 3 * np.abs(fresh - vanilla).mean()
+
+
+# ratio schedules ----------------------------------------------------------------------------------------------------
+def test_ratio_schedule_follows_the_denoising_progress():
+    unet = tiny_unet()
+    sample, _, context = unet_inputs(unet, batch=1)
+    ppdiffusers_tome.apply_tome(unet, ratio=(0.6, 0.2))
+    at = lambda t: dict(sample=sample, timestep=paddle.to_tensor([t]), encoder_hidden_states=context)  # noqa: E731
+    plans = plans_seen(unet, [at(999), at(500), at(0)])
+    expected = [int(256 * (0.6 + (0.2 - 0.6) * (1 - t / 1000))) for t in (999, 500, 0)]
+    assert [p.r for p in plans] == expected == [153, 102, 51]
+
+
+def test_ratio_schedule_can_switch_merging_off_late_and_reports_bad_values_clearly():
+    unet = tiny_unet()
+    sample, _, context = unet_inputs(unet, batch=1)
+    at = lambda t: dict(sample=sample, timestep=paddle.to_tensor([t]), encoder_hidden_states=context)  # noqa: E731
+    ppdiffusers_tome.apply_tome(unet, ratio=lambda p: 0.5 if p < 0.5 else 0.0)
+    with paddle.no_grad():
+        unet(**at(900))
+        assert get_patch(unet).state.merged_blocks == 3
+        unet(**at(100))
+        assert get_patch(unet).state.merged_blocks == 0
+    ppdiffusers_tome.apply_tome(unet, ratio=lambda p: 0.9 if 0.52 < p < 0.58 else 0.3)  # passes the 11 probes
+    with pytest.raises(ValueError, match=r"ratio\(progress=0.550\) must be in \[0, 0.75\) for sx=2, sy=2.*got 0.9"):
+        with paddle.no_grad():
+            unet(**at(450))
+
+
+def test_pipeline_progress_uses_its_schedulers_training_timesteps():
+    from ppdiffusers import DDIMScheduler
+
+    from ppdiffusers_tome.testing import tiny_sd_pipeline
+
+    pipe = tiny_sd_pipeline()
+    pipe.scheduler = DDIMScheduler(num_train_timesteps=500, beta_schedule="scaled_linear", clip_sample=False)
+    pipe.apply_tome(ratio=(0.6, 0.0))
+    patch = get_patch(pipe.unet)
+    assert patch.train_timesteps == 500
+    ratios = []
+    handle = find_blocks(pipe.unet)[0][1].attn1.register_forward_pre_hook(
+        lambda layer, args: ratios.append(patch.plan_in_flight(0).r / 256 if patch.plan_in_flight(0) else 0.0)
+    )
+    run(pipe, steps=2)  # DDIM with 500 training steps and 2 steps: t = 250, then 0
+    handle.remove()
+    assert ratios == [pytest.approx(int(256 * 0.3) / 256), 0.0]
+
+
+def test_a_cached_plan_keeps_its_r_under_a_ratio_schedule_and_is_reused():
+    unet = tiny_unet()
+    sample, _, context = unet_inputs(unet, batch=1)
+    ppdiffusers_tome.apply_tome(unet, ratio=(0.6, 0.2), recompute_every=2)
+    at = lambda t: dict(sample=sample, timestep=paddle.to_tensor([t]), encoder_hidden_states=context)  # noqa: E731
+    plans = plans_seen(unet, [at(t) for t in (999, 750, 500)])
+    assert plans[1] is plans[0] and plans[2] is not plans[0]
+    assert [p.r for p in plans] == [int(256 * (0.6 - 0.4 * 0.001)), int(256 * (0.6 - 0.4 * 0.001)), int(256 * 0.4)]
+
+
+def test_plan_cache_stays_bounded_when_every_call_has_the_same_timestep():
+    unet = tiny_unet()
+    sample, t, context = unet_inputs(unet, batch=1)
+    ppdiffusers_tome.apply_tome(unet, ratio=0.5, recompute_every=4)
+    call = dict(sample=sample, timestep=t[:1], encoder_hidden_states=context)  # a one-step model, called 20 times
+    plans_seen(unet, [call] * 20)
+    cache = get_patch(unet).state.history.cache
+    assert 0 < len(cache) <= 3 * get_patch(unet).state.history.MAX_SLOTS
+
+
+def test_a_cached_plan_is_not_reused_on_another_grid_and_reset_tome_forgets_it():
+    unet = tiny_unet()
+    ppdiffusers_tome.apply_tome(unet, ratio=0.5, recompute_every=10)
+    wide = unet_inputs(unet, batch=1, hw=(16, 8))
+    tall = unet_inputs(unet, batch=1, hw=(8, 16))
+    calls = [dict(sample=s, timestep=paddle.to_tensor([t]), encoder_hidden_states=c)
+             for (s, _, c), t in ((wide, 900), (tall, 800), (tall, 700))]
+    first, other_grid, same_grid = plans_seen(unet, calls)
+    assert other_grid is not first and same_grid is other_grid
+    ppdiffusers_tome.reset_tome(unet)
+    assert ppdiffusers_tome.tome_stats(unet)["UNet2DConditionModel"]["plans_computed"] == 0
+    (again,) = plans_seen(unet, calls[2:])
+    assert again is not same_grid  # nothing cached any more
+
+
+def test_a_ratio_schedule_warns_once_about_timesteps_outside_the_training_range():
+    unet = tiny_unet()
+    sample, _, context = unet_inputs(unet, batch=1)
+    ppdiffusers_tome.apply_tome(unet, ratio=(0.6, 0.2))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plans = plans_seen(unet, [dict(sample=sample, timestep=paddle.to_tensor([t]), encoder_hidden_states=context)
+                                  for t in (-3.5, 1200.0)])
+    messages = [str(w.message) for w in caught if "outside [0, 1000]" in str(w.message)]
+    assert len(messages) == 1 and "EDM" in messages[0]
+    assert [p.r for p in plans] == [int(256 * 0.2), int(256 * 0.6)]  # clipped to the ends of the schedule
+
+
+# local matching, plans shared per level, min_tokens -------------------------------------------------------
+@pytest.mark.parametrize("order", ["grid", "feature"])
+def test_match_window_blocks_merge_with_the_local_plan_written_by_hand(order):
+    from ppdiffusers_tome.merge import LocalMergePlan, window_partition_table, window_sides
+
+    unet = tiny_unet()
+    block = find_blocks(unet)[0][1]
+    rng = np.random.default_rng(5)
+    x = paddle.to_tensor(rng.standard_normal((2, 256, 32)).astype("float32"))
+    context = paddle.to_tensor(rng.standard_normal((2, 5, 32)).astype("float32"))
+    wy, wx = window_sides(16, 16, 8)
+    partition = window_partition_table(16, 16, wy, wx, 2, 2, None, seed=0, blocks=1)[0]
+    plan = LocalMergePlan.from_matching(x, (16, 16, wy, wx, 2, 2), partition, 32, order=order)  # int(64 * 0.5)
+    with paddle.no_grad():
+        expected = expected_block_output(block, x, context, plan).numpy()
+        patch = ModelPatch.install(unet, ToMeConfig(use_rand=False, match_window=8, match_order=order))
+        patch.state.begin_call(paddle.zeros([2, 4, 16, 16]), None)
+        got = block(x, encoder_hidden_states=context).numpy()
+        used = patch.plan_in_flight(0)
+    patch.remove()
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+    assert used is None or isinstance(used, LocalMergePlan)  # (the block's post-hook has already dropped it)
+
+
+def sd15_layout_unet():
+    from ppdiffusers_tome.presets import preset_pipeline
+
+    return preset_pipeline("sd15-narrow").unet  # SD-1.5's layout: five transformer blocks at 1x
+
+
+@pytest.mark.parametrize("window, order", [(None, "grid"), (8, "grid"), (8, "feature")])
+def test_share_plan_level_plans_once_per_level_and_call(window, order):
+    unet = sd15_layout_unet()
+    inputs = unet_inputs(unet, batch=2, hw=(16, 16))
+    plans = {}
+    for share in ("block", "level"):
+        ppdiffusers_tome.apply_tome(unet, share_plan=share, match_window=window, match_order=order)
+        patch, seen = get_patch(unet), []
+        handles = [b.attn1.register_forward_pre_hook(lambda layer, args, i=i: seen.append(patch.plan_in_flight(i)))
+                   for i, (_, b) in enumerate(find_blocks(unet))]
+        with paddle.no_grad():
+            unet(*inputs)
+            unet(*inputs)
+        for handle in handles:
+            handle.remove()
+        stats = ppdiffusers_tome.tome_stats(unet)["UNet2DConditionModel"]
+        plans[share] = stats["plans_computed"] / stats["calls"]
+        merging = [p for p in seen if p is not None]
+        assert len(merging) == 10 and stats["merges"] == 10  # five 1x blocks, two calls
+        if share == "level":
+            assert merging[0] is merging[4] and merging[5] is merging[9] and merging[0] is not merging[5]
+            assert stats["plans_shared"] == 8
+    assert plans == {"block": 5.0, "level": 1.0}  # >= 2.5x fewer plans per SD-1.5 call
+    ppdiffusers_tome.remove_tome(unet)
+
+
+def test_share_plan_level_with_recompute_every_reuses_the_level_plan_across_steps():
+    unet = tiny_unet()
+    sample, _, context = unet_inputs(unet)
+    ppdiffusers_tome.apply_tome(unet, share_plan="level", recompute_every=2)
+    with paddle.no_grad():
+        for t in (999, 980, 960, 940):
+            unet(sample, paddle.to_tensor([t, t]), context)
+    stats = ppdiffusers_tome.tome_stats(unet)["UNet2DConditionModel"]
+    # 4 calls x 3 merging blocks: planned at steps 0 and 2, taken from the step cache at 1 and 3, shared otherwise
+    assert (stats["plans_computed"], stats["plans_reused"], stats["plans_shared"]) == (2, 2, 8)
+
+
+def test_min_tokens_skips_blocks_below_it_and_counts_them():
+    unet = tiny_unet()
+    inputs = unet_inputs(unet, batch=2, hw=(16, 16))  # 1x level: 256 tokens, batch * tokens = 512
+    with paddle.no_grad():
+        vanilla = unet(*inputs).sample.numpy()
+        ppdiffusers_tome.apply_tome(unet, min_tokens=512)
+        at_threshold = unet(*inputs).sample.numpy()
+        ppdiffusers_tome.apply_tome(unet, min_tokens=513)
+        above = unet(*inputs).sample.numpy()
+    stats = ppdiffusers_tome.tome_stats(unet)["UNet2DConditionModel"]
+    assert np.abs(at_threshold - vanilla).max() > 1e-4  # 512 >= 512: merged
+    np.testing.assert_array_equal(above, vanilla)  # 512 < 513: every block skipped, nothing planned
+    assert stats["blocks_skipped"] == 3 and stats["plans_computed"] == 0 and stats["merges"] == 0
