@@ -32,7 +32,7 @@ __all__ = [
 
 # where a user with half-precision weights on a CPU should go: the README section with the GPU install recipe
 GPU_INSTALL_HINT = (
-    'install paddlepaddle-gpu as in README.md "Installing into your own environment" (README_cn.md: 在 GPU 上安装)'
+    'install paddlepaddle-gpu as in README.md "Install into your own environment" (README_cn.md: "二、装进自己的环境")'
 )
 _warned_half_on_cpu = False  # apply_tome warns about half precision on a CPU once per process
 

@@ -172,7 +172,7 @@ class ToMeConfig:
             Each window merges ``int(ratio * window tokens)`` of its src; the side actually used on a grid is the
             divisor of the grid side nearest to it, so equal windows tile the grid. On a GPU the plan is then held
             as two small matrices per window, and merge and unmerge are one batched matmul each (few kernel
-            launches, a fixed summation order, memory that grows as ``N * window``).
+            launches, a fixed summation order, memory that grows as ``N * window**2``).
         match_order: how ``match_window``'s windows are cut: ``"grid"`` (the default: tiles of the token grid) or
             ``"feature"``: like the cells of a k-d tree over the tokens' directions. The src and the dst are each
             sorted by their cosine with the mean token and cut into equal parts, each part is sorted along the main

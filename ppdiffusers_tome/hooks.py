@@ -128,11 +128,11 @@ class BlockHooks:
         hidden = args[0] if args else kwargs.get("hidden_states")
         patch = self.patch
         if patch.state.latent_hw is None:  # no call in flight: a checkpointed block recomputed during backward
-            plan = patch.replayed_plan(self.index, hidden)
+            plan = patch.recompute.replayed(self.index, hidden)
         else:
             plan = patch.planner.plan_for(self.index, hidden)
-            if plan is not None and patch.keeps_plans:
-                patch.keep_for_recompute(self.index, hidden, plan)
+            if plan is not None and patch.recompute.possible:
+                patch.recompute.keep(self.index, hidden, plan)
         if plan is not None:
             patch.state.set_plan(self.index, plan)
         return None

@@ -26,12 +26,12 @@ import inspect
 import logging
 import threading
 import warnings
-import weakref
 from typing import Any, List, Optional, Tuple
 
 import paddle
 from ppdiffusers.models.attention import BasicTransformerBlock
 
+from .checkpoint import RecomputePlans
 from .config import ToMeConfig
 from .hooks import BlockHooks, HookCall, HookRecord, SublayerHooks
 from .planner import Planner
@@ -74,17 +74,6 @@ def _positional_index(model: Any, name: str, default: int) -> int:
     return names.index(name) if name in names else default
 
 
-class _ReplayPlans(dict):
-    """Plans kept for the recomputation of checkpointed blocks (see :meth:`ModelPatch.keep_for_recompute`): they
-    belong to one process's autograd graph, so a copy or a pickle of the patch starts without them."""
-
-    def __reduce__(self):
-        return (_ReplayPlans, ())
-
-    def __deepcopy__(self, memo) -> "_ReplayPlans":
-        return _ReplayPlans()
-
-
 class ModelPatch:
     """ToMe installed on one model (a UNet or one ControlNet). Create with :meth:`install`, undo with :meth:`remove`.
 
@@ -111,10 +100,7 @@ class ModelPatch:
         self.blocks: List[BlockHooks] = []
         self._hooks: List[HookRecord] = []
         self.installed = False  # True from install to remove
-        # gradient checkpointing: the plan of every checkpointed block call, for its recomputation in backward
-        self._checkpoint_owners: List[Any] = []  # block index -> the layer whose gradient_checkpointing covers it
-        self._replay = _ReplayPlans()  # (block index, id(input)) -> (weak reference to the input, plan, call number)
-        self.keeps_plans = False  # whether any block sits in a layer that can checkpoint it
+        self.recompute = RecomputePlans(model, blocks)  # gradient checkpointing: plans kept for the recomputation
         self.timestep_arg = _positional_index(model, "timestep", default=1)
 
     @classmethod
@@ -146,10 +132,6 @@ class ModelPatch:
         return patch
 
     def _register(self, blocks) -> None:
-        layers = dict(self.model.named_sublayers(include_self=True))
-        self._checkpoint_owners = [layers.get(name.rsplit(".transformer_blocks.", 1)[0]) if ".transformer_blocks." in
-                                   name else None for name, _ in blocks]
-        self.keeps_plans = any(owner is not None for owner in self._checkpoint_owners)
         add = self._hooks.append
         add(HookRecord(self.model, "pre", self, "_before_model"))
         add(HookRecord(self.model, "post", self, "_after_model"))
@@ -218,6 +200,8 @@ class ModelPatch:
 
     # hooks ---------------------------------------------------------------------------------------------------
     def _before_model(self, layer, args, kwargs):
+        if self.recompute.possible:
+            self.recompute.check_call()  # (before anything of the call is recorded)
         sample = args[0] if args else kwargs.get("sample", kwargs.get("hidden_states"))
         timestep = args[self.timestep_arg] if len(args) > self.timestep_arg else kwargs.get("timestep")
         self.state.begin_call(sample, timestep, layer)
@@ -253,6 +237,14 @@ class ModelPatch:
                 f"sy x sx = {config.sy}x{config.sx} cell, so there is no dst token to merge into (nothing was "
                 "planned). Use smaller sx and sy (2 is the paper's setting) for latents this small."
             )
+        elif planner.rounded_to_nothing is not None and planner.fixed_ratio is not None:
+            tokens, ratio = planner.rounded_to_nothing
+            where = f"each {tokens}-token match_window" if config.match_window is not None else f"{tokens} tokens"
+            message = (
+                f"ToMe merged no tokens in {model}: ratio={ratio:g} rounds to int({tokens} * {ratio:g}) = 0 tokens "
+                f"merged in {where}. Use ratio >= {1 / tokens:.3g}"
+                + (" or a larger match_window." if config.match_window is not None else ".")
+            )
         elif not planner.auto_level and level > config.max_downsample:
             message = (
                 f"{name} merged no tokens in {model}: its highest-resolution transformer "
@@ -267,29 +259,3 @@ class ModelPatch:
         """The plan block ``block_index`` uses in the call in flight in this thread (None when it does not merge):
         for inspection, e.g. from a forward pre-hook on the block's ``attn1``."""
         return self.state.plan_of(block_index)
-
-    # gradient checkpointing -----------------------------------------------------------------------------------
-    # ppdiffusers' checkpointing (recompute without re-entrance) runs a block's forward again during backward and
-    # expects it to save exactly the tensors the first run saved. That second run comes after the model's call has
-    # ended, so without help it would not merge at all (and Paddle fails: "Not supported to retrieve a tensor saved
-    # by autograd multiple times ..."). The plan of each checkpointed block call is kept, keyed by the block's input
-    # tensor (the recomputation gets the same tensor object), and the recomputation merges with it again: the same
-    # operations, hence the same gradients as without checkpointing.
-    def keep_for_recompute(self, block_index: int, hidden: Any, plan: Any) -> None:
-        """Keep ``plan`` for the recomputation of this block call when gradient checkpointing covers it."""
-        owner = self._checkpoint_owners[block_index] if block_index < len(self._checkpoint_owners) else None
-        if owner is None or not getattr(owner, "gradient_checkpointing", False):
-            return
-        if not isinstance(hidden, paddle.Tensor) or hidden.stop_gradient or not paddle.is_grad_enabled():
-            return
-        calls = self.state.calls
-        for key in [k for k, (ref, _, call) in self._replay.items() if ref() is None or call < calls - 1]:
-            del self._replay[key]  # inputs gone, or calls before the previous one: their backward is over
-        self._replay[(block_index, id(hidden))] = (weakref.ref(hidden), plan, calls)
-
-    def replayed_plan(self, block_index: int, hidden: Any) -> Any:
-        """The plan a checkpointed block call used, when this is its recomputation in backward (else None)."""
-        entry = self._replay.pop((block_index, id(hidden)), None) if self._replay else None
-        if entry is None or entry[0]() is not hidden:
-            return None
-        return entry[1]

@@ -93,6 +93,7 @@ class Planner:
         if self.auto_level and self.patch_size is None:
             self.auto_finest = finest_block_level(model, blocks)
         self.grid_without_cells: Optional[Tuple[int, int]] = None  # a grid too small for one sy x sx cell
+        self.rounded_to_nothing: Optional[Tuple[int, float]] = None  # (tokens, ratio) where int(tokens*ratio) = 0
         self.squarings = DEFAULT_SQUARINGS  # feature order's power iterations are 2**squarings (for experiments)
 
     # the decision -----------------------------------------------------------------------------------------------
@@ -173,7 +174,9 @@ class Planner:
     def _cached_or_new(self, block_index: int, hidden: Any, grid_h: int, grid_w: int, ratio: float
                        ) -> Optional[MergePlan]:
         """A new plan, or under ``recompute_every`` the one cached for this block (or level) and step; None when
-        ``ratio`` merges nothing here."""
+        ``ratio`` merges nothing here. A ratio of 0 (a schedule's "off") merges nothing even when a plan is cached."""
+        if ratio <= 0:
+            return None
         state = self.state
         key = f"level{hidden.shape[1]}" if self.share_level else str(block_index)
         plan = state.cached_plan(key, hidden.shape[0], grid_h, grid_w) if self.caches else None
@@ -185,6 +188,8 @@ class Planner:
         else:
             r = tokens_to_merge(hidden.shape[1], ratio)  # (Paddle's SOT tracer cannot call dataclass methods)
             plan = self.global_plan(block_index, hidden, grid_h, grid_w, r) if r > 0 else None
+            if r <= 0:
+                self.rounded_to_nothing = (hidden.shape[1], ratio)
         if plan is None:
             return None
         state.plans_computed += 1
@@ -212,6 +217,8 @@ class Planner:
         cells = (wy // config.sy) * (wx // config.sx)
         window_r = min(tokens_to_merge(wy * wx, ratio), wy * wx - cells)
         if cells == 0 or window_r <= 0:
+            if cells:
+                self.rounded_to_nothing = (wy * wx, ratio)
             return None
         partition = self.window_partition(block_index, grid_h, grid_w, wy, wx)
         windows = (grid_h, grid_w, wy, wx, config.sx, config.sy)

@@ -14,6 +14,7 @@ Nothing here reads a tensor on the host unless the config needs a Python number 
 from __future__ import annotations
 
 import sys
+from collections import OrderedDict
 import threading
 import warnings
 from typing import Any, Dict, List, Optional, Set, Tuple
@@ -115,6 +116,7 @@ class CallRecord:
         self.number = 0  # which call of the model this is (keys the partition when there is no timestep)
         self.frame: Optional[int] = None  # id of the frame of Paddle's layer call running it (None: unknown)
         self.saved: Any = None  # the step history before this call, restored if the call fails
+        self.epoch = 0  # the state's reset count when the call began (a reset since then voids ``saved``)
         self.merged_blocks = 0  # (kept after the call ends, for reporting)
         self.finest_level: Optional[int] = None  # (kept after the call ends, for reporting)
         self.plans: Dict[int, Any] = {}  # block index -> plan of this call
@@ -123,9 +125,16 @@ class CallRecord:
 
 
 class StepHistory:
-    """Denoising steps seen by one thread, for plan caching: a step is a run of calls with the same timestep."""
+    """Denoising steps seen by one thread, for plan caching: a step is a run of calls with the same timestep, and
+    the ``k``-th call of a step (its slot) is one call site (the unprompted half of split guidance, one view of a
+    panorama, ...), which keeps its own plans from step to step, however many calls a step makes.
 
-    MAX_SLOTS = 8  # calls at one timestep beyond this start a new generation (bounds the plan cache)
+    The cache holds at most :data:`MAX_PLANS` plans, the least recently used going first: a step's call sites times
+    the merging blocks (or levels, with ``share_plan="level"``) fit unless a step makes hundreds of calls; a plan
+    of the global kind holds about ``22 * B * N`` bytes of index tables (180 KB for SD-1.5 at 512² with guidance).
+    """
+
+    MAX_PLANS = 512
 
     def __init__(self) -> None:
         self.epoch = 0  # the state's reset count this history belongs to
@@ -136,24 +145,38 @@ class StepHistory:
         self.slot = 0  # which call at this step this is (the unprompted half of split guidance is slot 1)
         self.last_key: Any = None
         self.last_progress: Optional[float] = None
-        self.cache: Dict[str, Tuple[Any, int, Tuple[int, int]]] = {}  # "<block>/<slot>" -> (plan, step, grid)
+        # "<block or level>/<slot>" -> (plan, step, grid), least recently used first
+        self.cache: "OrderedDict[str, Tuple[Any, int, Tuple[int, int]]]" = OrderedDict()
 
     def snapshot(self) -> Tuple[Any, ...]:
-        return self.step, self.slot, self.last_key, self.last_progress, dict(self.cache)
+        return self.step, self.slot, self.last_key, self.last_progress, OrderedDict(self.cache)
 
     def restore(self, saved: Tuple[Any, ...]) -> None:
         self.step, self.slot, self.last_key, self.last_progress, cache = saved
-        self.cache = dict(cache)
+        self.cache = OrderedDict(cache)
+
+    def lookup(self, key: str) -> Any:
+        """The cache entry of ``key`` at this call's slot, or None (a hit becomes the most recently used)."""
+        entry = self.cache.get(f"{key}/{self.slot}")
+        if entry is not None:
+            self.cache.move_to_end(f"{key}/{self.slot}")
+        return entry
+
+    def store(self, key: str, plan: Any, grid: Tuple[int, int]) -> None:
+        """Cache ``plan`` for ``key`` at this call's slot and step, within :data:`MAX_PLANS`."""
+        name = f"{key}/{self.slot}"
+        self.cache[name] = (plan, self.step, grid)
+        self.cache.move_to_end(name)
+        while len(self.cache) > self.MAX_PLANS:
+            self.cache.popitem(last=False)
 
     def advance(self, key: Any, progress: Optional[float]) -> None:
-        """Count a call: calls with the same key are one step (slots 0, 1, ...); a timestep noisier than the last
-        one starts a new generation, which forgets the cached plans. So does a run of more than ``MAX_SLOTS`` calls
-        at one timestep (a one-step model called again and again)."""
-        if self.last_key is not None and key == self.last_key and self.slot + 1 < self.MAX_SLOTS:
+        """Count a call: calls with the same key are one step (slots 0, 1, 2, ... for as many as the step makes); a
+        timestep noisier than the last one starts a new generation, which forgets the cached plans."""
+        if self.last_key is not None and key == self.last_key:
             self.slot += 1
             return
         restart = progress is not None and self.last_progress is not None and progress < self.last_progress
-        restart = restart or (self.last_key is not None and key == self.last_key)
         if self.last_key is None or restart:
             self.step = 0
             self.cache.clear()
@@ -290,6 +313,7 @@ class ToMeState:
             self._read_timestep(timestep, call)  # may raise: then nothing has changed
         self.calls += 1
         call.number = self.calls
+        call.epoch = self.epoch
         call.latent_hw = latent_hw
         call.timestep = timestep
         call.frame = frame
@@ -321,7 +345,9 @@ class ToMeState:
     def _pop(self, completed: bool) -> CallRecord:
         threads = self._threads
         call = threads.stack.pop()
-        if not completed and call.saved is not None:
+        # a failed call puts the step history back as it found it, unless reset_tome came since: after a reset the
+        # next call must start as on a fresh model
+        if not completed and call.saved is not None and call.epoch == self.epoch:
             threads.history.restore(call.saved)
         call.saved = None
         call.plans.clear()
@@ -483,7 +509,7 @@ class ToMeState:
         under ``recompute_every``, or None. A reused plan keeps the ``r`` of the step it was computed at (with a
         ratio schedule, ``r`` follows the schedule at the recompute steps)."""
         history, every = self._threads.history, self.config.recompute_every
-        entry = history.cache.get(f"{key}/{history.slot}")
+        entry = history.lookup(key)
         if entry is None:
             return None
         plan, step, grid = entry
@@ -494,8 +520,7 @@ class ToMeState:
         return plan if history.step - step < every else None
 
     def store_plan(self, key: str, plan: MergePlan, grid_h: int, grid_w: int) -> None:
-        history = self._threads.history
-        history.cache[f"{key}/{history.slot}"] = (plan, history.step, (grid_h, grid_w))
+        self._threads.history.store(key, plan, (grid_h, grid_w))
 
     def shared_plan(self, num_tokens: int) -> Any:
         """The plan an earlier block of the call in flight made at ``num_tokens`` tokens (``share_plan="level"``)."""

@@ -101,6 +101,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error(f"--ratio must be in [0, 0.75) for 2x2 cells; got {args.ratio}")
     if args.grid < 2:
         parser.error(f"--grid must be an integer >= 2; got {args.grid}")
+    if os.path.isdir(args.output):
+        parser.error(f"--output {args.output} is a folder; give the path of the PNG to write")
     image, info = draw_plan_figure(ratio=args.ratio, grid=args.grid, seed=args.seed)
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     save_png(image, args.output)

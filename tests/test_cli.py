@@ -79,7 +79,7 @@ def test_demo_loads_a_local_pipeline_folder(tmp_path):
         (["--max-downsample", "3"], "max_downsample must be 'auto' or one of"),
         (["--model", "/nonexistent/folder"], "--model must be a local pipeline folder"),
         (["--dtype", "float16"], "needs a GPU"),
-        (["--dtype", "bfloat16"], 'install paddlepaddle-gpu as in README.md "Installing into your own environment"'),
+        (["--dtype", "bfloat16"], 'install paddlepaddle-gpu as in README.md "Install into your own environment"'),
     ],
 )
 def test_demo_bad_input_is_a_clear_error(tmp_path, capsys, args, message):
@@ -386,3 +386,36 @@ def test_the_shapes_model_refuses_another_size_before_anything_runs(argv, option
     err = capsys.readouterr().err
     assert option in err and "64x64 images only" in err and "--preset sd15-narrow" in err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("command", ["demo", "bench"])
+@pytest.mark.parametrize("where", ["a file", "under a file"])
+def test_an_output_that_cannot_be_a_folder_is_refused_before_anything_runs(command, where, tmp_path, capsys,
+                                                                            monkeypatch):
+    taken = tmp_path / "taken"
+    taken.write_text("keep me")
+    output = taken if where == "a file" else taken / "results"
+    from ppdiffusers_tome.tools.bench import commands
+
+    monkeypatch.setattr(commands, "run_demo", lambda args: pytest.fail("ran"))
+    monkeypatch.setattr(commands, "run_bench", lambda args: pytest.fail("ran"))
+    assert main([command, "--output", str(output)]) == 2
+    err = capsys.readouterr().err
+    assert f"ppdiffusers-tome {command}: error: --output {output}" in err and "Traceback" not in err
+    assert taken.read_text() == "keep me"  # nothing lost
+
+
+@pytest.mark.parametrize("seed", ["-1", str(2**64), "1.5", "ten"])
+@pytest.mark.parametrize("command", ["demo", "bench"])
+def test_a_seed_outside_paddles_range_is_a_clear_error(command, seed, capsys):
+    with pytest.raises(SystemExit) as done:
+        main([command, "--seed", seed])
+    assert done.value.code == 2
+    err = capsys.readouterr().err
+    assert "--seed" in err and "[0, 2**63 - 1]" in err and "Traceback" not in err
+
+
+def test_the_largest_seed_is_accepted():
+    from ppdiffusers_tome.tools.cli import MAX_SEED, build_parser
+
+    assert build_parser().parse_args(["demo", "--seed", str(MAX_SEED)]).seed == MAX_SEED == 2**63 - 1

@@ -1,5 +1,5 @@
-"""The deterministic merge of the GPU kernels (``deterministic=True``), run on the CPU with
-``merge.DEVICE_OVERRIDE = "gpu"``: it computes ToMe's merge (checked against the float64 numpy reference), uses
+"""The deterministic merge of the GPU kernels (``deterministic=True``), run on the CPU inside
+``ppdiffusers_tome.testing.gpu_kernels()``: it computes ToMe's merge (checked against the float64 numpy reference), uses
 no kernel that adds floats through atomics on a GPU (``index_add``, scatter-add and relatives), keeps within the
 temporaries bound of the default path, and exports with a dynamic batch."""
 

@@ -1,8 +1,8 @@
 """Faults and recovery: reset_tome never disturbs a call in flight, a generation retried after a fault matches a\nfresh model, an early exception spends no warning, changes refuse while a forward runs, a NaN timestep is a clear\nerror."""
 
 # items 1, 5, 6, 7, 9: threads, a retry after a fault, early exceptions, non-finite timesteps ----------------------
-import contextlib  # noqa: E402
 import pickle
+import threading
 import warnings  # noqa: E402
 
 import numpy as np
@@ -17,7 +17,15 @@ from ppdiffusers_tome.testing import (
     tiny_sdxl_unet,  # noqa: E402
     tiny_unet,
 )
-from tests.unet_calls import call_held_inside_forward, hook_tables, sdxl_call, step_sample, unet_inputs, unet_output
+from tests.unet_calls import (
+    call_held_inside_forward,
+    forward,
+    hook_tables,
+    sdxl_call,
+    step_sample,
+    unet_inputs,
+    unet_output,
+)
 
 
 def test_hooks_registered_after_unpickling_in_a_fresh_process_do_not_collide(monkeypatch):
@@ -36,9 +44,6 @@ def test_hooks_registered_after_unpickling_in_a_fresh_process_do_not_collide(mon
     ppdiffusers_tome.remove_tome(twin)  # takes off ToMe's hooks only
     unet_output(twin)
     assert seen == [1, 1]
-
-
-@contextlib.contextmanager
 
 
 def test_reset_tome_does_not_disturb_a_call_in_flight_in_another_thread():
@@ -139,3 +144,47 @@ def test_a_nan_timestep_with_a_ratio_schedule_raises_and_leaves_the_model_workin
             unet(sample, paddle.to_tensor([float("nan")] * 2), context)
     assert get_patch(unet).state.busy_elsewhere() == 0
     np.testing.assert_array_equal(unet_output(unet), expected)
+
+
+OPTIONS_ACROSS_STEPS = [dict(recompute_every=3), dict(recompute_every=3, ratio=(0.6, 0.3)),
+                        dict(recompute_every=3, share_plan="level"),
+                        dict(recompute_every=3, match_window=8, match_order="feature")]
+
+
+def generation(unet, timesteps, seed=0):
+    """One UNet call per timestep on fixed inputs, as a sampler makes them."""
+    sample, _, context = unet_inputs(unet, seed=seed)
+    return [forward(unet, sample, paddle.to_tensor([t, t], dtype="int64"), context) for t in timesteps]
+
+
+@pytest.mark.parametrize("reset_from", ["this thread", "another thread"])
+@pytest.mark.parametrize("options", OPTIONS_ACROSS_STEPS, ids=["k=3", "schedule", "shared", "feature"])
+@pytest.mark.parametrize("interrupt", [KeyboardInterrupt, SystemExit])
+def test_reset_tome_after_an_interrupted_generation_gives_a_fresh_models_output(options, reset_from, interrupt):
+    unet, fresh = tiny_unet(), tiny_unet()
+    ppdiffusers_tome.apply_tome(unet, **options)
+    ppdiffusers_tome.apply_tome(fresh, **options)
+    calls = []
+
+    def ctrl_c(layer, args):  # Ctrl-C inside the UNet's third call, after its blocks planned
+        calls.append(1)
+        if len(calls) == 3:
+            raise interrupt()
+
+    handle = unet.conv_out.register_forward_pre_hook(ctrl_c)
+    with pytest.raises(interrupt):
+        generation(unet, [900, 800, 700])
+    handle.remove()
+    if reset_from == "this thread":
+        ppdiffusers_tome.reset_tome(unet)
+    else:
+        worker = threading.Thread(target=ppdiffusers_tome.reset_tome, args=(unet,))
+        worker.start()
+        worker.join()
+    # a new generation that starts where the interrupted one stopped (img2img from a lower noise level): only the
+    # reset tells it from a continuation, and after it the model must behave as a fresh one
+    got, expected = generation(unet, [700, 600, 500], seed=1), generation(fresh, [700, 600, 500], seed=1)
+    for a, b in zip(got, expected):
+        assert float(np.abs(a - b).max()) == 0.0  # bit-identical to a fresh model
+    stats = ppdiffusers_tome.tome_stats(unet)["UNet2DConditionModel"]
+    assert stats["plans_computed"] == ppdiffusers_tome.tome_stats(fresh)["UNet2DConditionModel"]["plans_computed"] > 0

@@ -1,9 +1,9 @@
-"""The GPU path measured on CPU: a forward patched with ``apply_tome()``'s defaults makes no
+"""The GPU kernel family measured on the CPU: a forward patched with ``apply_tome()``'s defaults makes no
 host<->device transfer beyond what the vanilla UNet makes (each one would be a device sync on a GPU); the GPU branch
 adds few eager operators per merging block, holds no temporary beyond the similarity and a few token-sized tensors,
 and keeps half-precision tokens in half precision, with the same decisions as float32 on real activations.
-Transfers and operators are counted with the instruments of ppdiffusers_tome/measure.py; GPU kernels run on the CPU
-with ``merge.DEVICE_OVERRIDE = "gpu"``, half precision through tests/half_on_cpu.py.
+Transfers and operators are counted with the instruments of ppdiffusers_tome/tools/measure.py; the GPU kernels run on
+the CPU inside ``ppdiffusers_tome.testing.gpu_kernels()``, half precision through tests/half_on_cpu.py.
 """
 
 import collections
@@ -21,9 +21,10 @@ from ppdiffusers_tome.tools.measure import TransferCounter, count_forward_ops, c
 from tests.half_on_cpu import half_kernels
 
 # Eager operators per merging block, plan + merge + unmerge and the block's share of the per-call partition table.
-# On a GPU each one is a kernel launch of ~5-17 us of host time, about what merging saves per block at 512^2: the GPU
-# branch must stay within 45. The CPU branch spends more operators to make fewer passes over the tokens (on a CPU an
-# operator costs microseconds and a pass over [2, 4096, 320] about a millisecond); its own budget stops it creeping.
+# On a GPU each one is a kernel launch of ~24-29 us of host time (docs/gpu.md), more than merging saves per block at
+# 512^2 with one image: the GPU branch must stay within 45. The CPU branch spends more operators to make fewer passes
+# over the tokens (on a CPU an operator costs microseconds and a pass over [2, 4096, 320] about a millisecond); its
+# own budget stops it creeping.
 OPS_PER_BLOCK_BUDGET = {"gpu": 45, "cpu": 66}
 PLAN_OPS_BUDGET, APPLY_OPS_BUDGET = 30, 8  # GPU branch, counted on the merge core alone
 FEATURE_SHARED_BUDGET = 58  # match_order="feature" with share_plan="level", GPU branch (measured 52.3)

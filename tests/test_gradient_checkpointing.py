@@ -2,8 +2,10 @@
 
 import numpy as np
 import paddle
+import pytest
 
 import ppdiffusers_tome
+from ppdiffusers_tome.patch import get_patch
 from ppdiffusers_tome.testing import tiny_unet
 from tests.unet_calls import forward, unet_inputs
 
@@ -58,3 +60,119 @@ def test_training_steps_run_with_checkpointing_and_tome_and_the_patch_still_copi
     for twin in (copy.deepcopy(unet), pickle.loads(pickle.dumps(unet))):
         twin.eval()
         np.testing.assert_allclose(forward(twin, sample, timestep, context), forward(unet.eval(), sample, timestep, context), rtol=1e-6)
+
+
+CONFIGS = {"tome": dict(ratio=0.5), "shared": dict(ratio=0.5, share_plan="level"),
+           "feature": dict(ratio=0.5, match_window=8, match_order="feature"), "todo": dict(method="todo")}
+
+
+def grads_of(checkpointing, options, scenario):
+    """Gradients of every parameter of a tiny UNet with ToMe ``options`` after ``scenario``: several forwards
+    before one backward (with a no_grad forward in between for "no_grad_between"), or one forward and two
+    backwards ("twice")."""
+    paddle.seed(0)
+    unet = tiny_unet()
+    unet.train()
+    if checkpointing:
+        unet.enable_gradient_checkpointing()
+    ppdiffusers_tome.apply_tome(unet, **options)
+    inputs = [unet_inputs(unet, seed=s) for s in range(3)]
+    timesteps = [paddle.to_tensor([t, t], dtype="int64") for t in (900, 500, 100)]  # several noise levels
+    losses = []
+    for i, (sample, _, context) in enumerate(inputs):
+        if scenario == "twice" and i:
+            break
+        if scenario == "no_grad_between" and i == 1:
+            with paddle.no_grad():
+                unet(sample, timesteps[i], context)
+            continue
+        losses.append((unet(sample, timesteps[i], context).sample ** 2).mean())
+    loss = paddle.add_n(losses)
+    if scenario == "twice":
+        loss.backward(retain_graph=True)
+    loss.backward()
+    return {name: p.grad.numpy().copy() for name, p in unet.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("scenario", ["three_forwards", "no_grad_between", "twice"])
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_checkpointing_gives_the_gradients_of_no_checkpointing_for_any_forwards_and_backwards(config, scenario):
+    plain = grads_of(False, CONFIGS[config], scenario)
+    checkpointed = grads_of(True, CONFIGS[config], scenario)
+    assert set(checkpointed) == set(plain) and len(plain) > 20
+    worst = max(float(np.abs(checkpointed[n] - plain[n]).max() / (np.abs(plain[n]).max() + 1e-12)) for n in plain)
+    assert worst < 1e-4, f"{config}, {scenario}: gradients differ by {worst:.2e} (relative)"
+    assert paddle.is_grad_enabled()
+
+
+def test_kept_plans_go_with_their_graphs():
+    unet = tiny_unet()
+    unet.train()
+    unet.enable_gradient_checkpointing()
+    ppdiffusers_tome.apply_tome(unet)
+    kept = get_patch(unet).recompute
+    sample, timestep, context = unet_inputs(unet)
+    loss = (unet(sample, timestep, context).sample ** 2).mean()
+    blocks = len(get_patch(unet).blocks)
+    assert len(kept) == 3 and blocks == 7  # the three 1x blocks merge; each checkpointed call keeps its plan
+    loss.backward()
+    del loss
+    import gc
+
+    gc.collect()
+    assert len(kept) == 0  # the graph is gone, so are its inputs and their plans
+    with paddle.no_grad():
+        unet(sample, timestep, context)
+    assert len(kept) == 0  # nothing is kept without gradients
+
+
+@pytest.mark.parametrize("flag", ["FLAG_RECOMPUTE_USE_REENTRANT", "FLAG_USE_OLD_RECOMPUTE"])
+def test_reentrant_recompute_is_refused_before_any_work_and_autograd_stays_on(flag, monkeypatch):
+    from ppdiffusers_tome.checkpoint import ReentrantRecomputeError
+
+    monkeypatch.setenv(flag, "True")
+    unet = tiny_unet()
+    unet.train()
+    unet.enable_gradient_checkpointing()
+    ppdiffusers_tome.apply_tome(unet)
+    sample, timestep, context = unet_inputs(unet)
+    ran = []
+    handle = unet.conv_in.register_forward_pre_hook(lambda layer, args: ran.append(1))
+    with pytest.raises(ReentrantRecomputeError, match=flag if flag.endswith("REENTRANT") else "FLAG_USE_OLD"):
+        unet(sample, timestep, context)
+    handle.remove()
+    assert not ran and paddle.is_grad_enabled()  # refused before the UNet computed anything
+    assert get_patch(unet).calls_in_flight() == 0
+    with paddle.no_grad():  # inference is unaffected by the flags
+        assert np.isfinite(unet(sample, timestep, context).sample.numpy()).all()
+    unet.disable_gradient_checkpointing()  # and so is training without checkpointing
+    (unet(sample, timestep, context).sample ** 2).mean().backward()
+    monkeypatch.delenv(flag)
+    unet.enable_gradient_checkpointing()
+    (unet(sample, timestep, context).sample ** 2).mean().backward()  # the default recompute works
+
+
+def dit_grads(checkpointing):
+    from ppdiffusers_tome.testing import tiny_dit_transformer
+
+    paddle.seed(0)
+    model = tiny_dit_transformer()
+    model.train()
+    if checkpointing:
+        model.enable_gradient_checkpointing()
+    ppdiffusers_tome.apply_tome(model, ratio=0.5)
+    rng = np.random.default_rng(0)
+    sample = paddle.to_tensor(rng.standard_normal((2, 4, 16, 16)).astype("float32"))
+    out = model(sample, timestep=paddle.to_tensor([500, 500]), class_labels=paddle.to_tensor([1, 2])).sample
+    (out ** 2).mean().backward()
+    assert ppdiffusers_tome.tome_stats(model)["Transformer2DModel"]["merges"] > 0
+    return {name: p.grad.numpy().copy() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def test_a_transformer_only_model_trains_with_checkpointing_and_tome():
+    """The blocks of a DiT / PixArt-alpha model sit directly under the patched model ("transformer_blocks.0"):
+    their checkpointing is the model's own."""
+    plain, checkpointed = dit_grads(False), dit_grads(True)
+    assert set(plain) == set(checkpointed) and len(plain) > 10
+    for name in plain:
+        np.testing.assert_allclose(checkpointed[name], plain[name], rtol=1e-4, atol=1e-6, err_msg=name)

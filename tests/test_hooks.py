@@ -43,12 +43,15 @@ class FakePlanner:
         return self.plan
 
 
+class FakeRecompute:
+    possible = False
+
+
 class FakePatch:
     """What BlockHooks needs of a ModelPatch: a state, and a planner that gives a plan for a block's input."""
 
-    keeps_plans = False  # no gradient checkpointing here
-
     def __init__(self, plan):
+        self.recompute = FakeRecompute()  # no gradient checkpointing here
         self.state = ToMeState(ToMeConfig(), num_blocks=1)
         self.planner = FakePlanner(plan)
         # a model call in flight (8x8 latent), as the model's pre-hook would start it: blocks plan only inside one

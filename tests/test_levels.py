@@ -164,3 +164,24 @@ def test_no_sub_layer_enabled_warns_once_at_apply_and_plans_nothing():
     for output in outputs:
         np.testing.assert_array_equal(output, vanilla)
     assert stats(unet)["plans_computed"] == 0 and stats(unet)["calls"] == 2
+
+
+@pytest.mark.parametrize("order", ["grid", "feature"])
+def test_a_window_too_small_for_the_ratio_warns_once_that_nothing_merged(order):
+    unet = tiny_unet()
+    ppdiffusers_tome.apply_tome(unet, ratio=0.2, match_window=2, match_order=order)  # int(4 * 0.2) = 0 per window
+    sample, timestep, context = unet_inputs(unet)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = forward(unet, sample, timestep, context)
+        forward(unet, sample, timestep, context)
+    messages = [str(w.message) for w in caught if "merged no tokens" in str(w.message)]
+    assert len(messages) == 1 and "int(4 * 0.2) = 0" in messages[0] and "match_window" in messages[0]
+    ppdiffusers_tome.remove_tome(unet)
+    np.testing.assert_array_equal(out, forward(unet, sample, timestep, context))  # it really merged nothing
+    ppdiffusers_tome.apply_tome(unet, ratio=0.25, match_window=2, match_order=order)  # one per window: merges
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        forward(unet, sample, timestep, context)
+    assert not [w for w in caught if "merged no tokens" in str(w.message)]
+    assert ppdiffusers_tome.tome_stats(unet)["UNet2DConditionModel"]["merges"] > 0

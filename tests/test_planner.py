@@ -11,7 +11,7 @@ from ppdiffusers_tome.config import ToMeConfig
 from ppdiffusers_tome.patch import ModelPatch, find_blocks, get_patch
 from ppdiffusers_tome.testing import tiny_unet
 from tests.conftest import run
-from tests.unet_calls import expected_block_output, plans_seen, unet_inputs
+from tests.unet_calls import expected_block_output, forward, plans_seen, unet_inputs
 
 
 def test_recompute_every_reuses_a_blocks_plan_for_k_steps_then_recomputes():
@@ -120,14 +120,28 @@ def test_a_cached_plan_keeps_its_r_under_a_ratio_schedule_and_is_reused():
     assert [p.r for p in plans] == [int(256 * (0.6 - 0.4 * 0.001)), int(256 * (0.6 - 0.4 * 0.001)), int(256 * 0.4)]
 
 
+def test_a_scheduled_ratio_of_zero_turns_merging_off_even_when_a_plan_is_cached():
+    unet = tiny_unet()
+    sample, _, context = unet_inputs(unet, batch=1)
+    ppdiffusers_tome.apply_tome(unet, ratio=lambda p: 0.5 if p < 0.5 else 0.0, recompute_every=5)
+    at = lambda t: dict(sample=sample, timestep=paddle.to_tensor([t]), encoder_hidden_states=context)  # noqa: E731
+    plans = plans_seen(unet, [at(t) for t in (900, 700, 100)])
+    stats = ppdiffusers_tome.tome_stats(unet)["UNet2DConditionModel"]
+    assert plans[0] is not None and plans[1] is plans[0] and plans[2] is None  # off at t=100, cached plan or not
+    assert (stats["plans_computed"], stats["plans_reused"]) == (3, 3)  # three merging blocks, at t=900 and 700
+
+
 def test_plan_cache_stays_bounded_when_every_call_has_the_same_timestep():
     unet = tiny_unet()
     sample, t, context = unet_inputs(unet, batch=1)
     ppdiffusers_tome.apply_tome(unet, ratio=0.5, recompute_every=4)
     call = dict(sample=sample, timestep=t[:1], encoder_hidden_states=context)  # a one-step model, called 20 times
     plans_seen(unet, [call] * 20)
-    cache = get_patch(unet).state.history.cache
-    assert 0 < len(cache) <= 3 * get_patch(unet).state.history.MAX_SLOTS
+    history = get_patch(unet).state.history
+    assert history.step == 0 and history.slot == 19  # one step, twenty call sites
+    assert len(history.cache) == 3 * 20 <= history.MAX_PLANS  # three merging blocks, each call its own plans
+    stats = ppdiffusers_tome.tome_stats(unet)["UNet2DConditionModel"]
+    assert (stats["plans_computed"], stats["plans_reused"]) == (60, 0)  # a call site is never reused across calls
 
 
 def test_a_cached_plan_is_not_reused_on_another_grid_and_reset_tome_forgets_it():
@@ -239,3 +253,26 @@ def test_min_tokens_skips_blocks_below_it_and_counts_them():
     assert np.abs(at_threshold - vanilla).max() > 1e-4  # 512 >= 512: merged
     np.testing.assert_array_equal(above, vanilla)  # 512 < 513: every block skipped, nothing planned
     assert stats["blocks_skipped"] == 3 and stats["plans_computed"] == 0 and stats["merges"] == 0
+
+
+def test_every_call_site_of_a_step_keeps_its_own_plan_for_any_number_of_calls():
+    """A panorama makes one UNet call per view and step: with nine views (more calls per step than 0.8 kept apart),
+    each view reuses the plan matched on its own latents, exactly as a model that sees that view alone."""
+    views, timesteps = 9, (900, 800, 700)
+    unet = tiny_unet()
+    ppdiffusers_tome.apply_tome(unet, recompute_every=2)
+    inputs = [unet_inputs(unet, seed=view) for view in range(views)]
+    outputs = {view: [] for view in range(views)}
+    for t in timesteps:
+        for view, (sample, _, context) in enumerate(inputs):
+            outputs[view].append(forward(unet, sample, paddle.to_tensor([t, t], dtype="int64"), context))
+    stats = ppdiffusers_tome.tome_stats(unet)["UNet2DConditionModel"]
+    # three merging blocks: every view plans at steps 0 and 2 and reuses its own plan at step 1
+    assert (stats["plans_computed"], stats["plans_reused"]) == (views * 3 * 2, views * 3)
+    for view in (0, 4, 8):
+        alone = tiny_unet()
+        ppdiffusers_tome.apply_tome(alone, recompute_every=2)
+        sample, _, context = inputs[view]
+        for step, t in enumerate(timesteps):
+            np.testing.assert_array_equal(
+                outputs[view][step], forward(alone, sample, paddle.to_tensor([t, t], dtype="int64"), context))

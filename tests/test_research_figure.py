@@ -104,3 +104,11 @@ def test_at_ratio_zero_the_round_trip_panel_equals_the_tokens():
     # the tokens panel is drawn from float64 colours, the round trip from the float32 tensor: one 8-bit step apart
     # at most where a colour sits on a rounding boundary
     assert np.abs(panel(image, 2, 8, 4) - panel(image, 0, 8, 4)).max() <= 1
+
+
+def test_a_folder_as_output_is_refused_before_drawing(tmp_path, capsys):
+    import pytest
+
+    with pytest.raises(SystemExit) as done:
+        main(["--output", str(tmp_path)])
+    assert done.value.code == 2 and "is a folder" in capsys.readouterr().err

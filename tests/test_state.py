@@ -27,7 +27,8 @@ def test_step_history_counts_steps_slots_and_new_generations():
     assert (history.step, history.slot) == (0, 0)
     history.advance(("t", 999), 0.001)  # the second half of split guidance: same step, next slot
     assert (history.step, history.slot) == (0, 1)
-    history.cache["0/0"] = ("plan", 0, (8, 8))
+    history.slot = 0
+    history.store("0", "plan", (8, 8))
     history.advance(("t", 800), 0.2)
     assert (history.step, history.slot) == (1, 0) and history.cache
     saved = history.snapshot()
@@ -37,14 +38,21 @@ def test_step_history_counts_steps_slots_and_new_generations():
     assert (history.step, history.last_key, list(history.cache)) == (1, ("t", 800), ["0/0"])
 
 
-def test_step_history_bounds_the_calls_at_one_timestep():
+def test_step_history_gives_every_call_of_a_step_its_own_slot_and_bounds_the_cache():
     history = StepHistory()
-    for _ in range(StepHistory.MAX_SLOTS):
-        history.advance("same", 0.5)
-    assert (history.step, history.slot) == (0, StepHistory.MAX_SLOTS - 1)
-    history.cache["x"] = 1
-    history.advance("same", 0.5)  # one call too many at this timestep: a fresh generation
-    assert (history.step, history.slot, history.cache) == (0, 0, {})
+    for call in range(40):  # e.g. one view of a panorama per call, 40 views per step
+        history.advance("t999", 0.001)
+        assert (history.step, history.slot) == (0, call)
+        history.store("0", f"plan{call}", (8, 8))
+    history.advance("t900", 0.1)
+    assert (history.step, history.slot) == (1, 0) and history.lookup("0")[0] == "plan0"
+    history.slot = 39
+    assert history.lookup("0")[0] == "plan39"
+    for slot in range(StepHistory.MAX_PLANS + 10):  # a one-step model called again and again
+        history.slot = slot
+        history.store("1", slot, (8, 8))
+    assert len(history.cache) == StepHistory.MAX_PLANS
+    assert "1/0" not in history.cache and f"1/{StepHistory.MAX_PLANS + 9}" in history.cache  # least recent first
 
 
 def test_begin_and_end_call_keep_the_record_of_the_call_in_flight_only():

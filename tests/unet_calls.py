@@ -1,5 +1,6 @@
 """UNet calls and hand-written references shared by the tests of the patch, the planner and the static graph."""
 
+import contextlib
 import threading
 
 import numpy as np
@@ -83,6 +84,7 @@ def sdxl_call(unet=None, seed=5):
     return (sample, paddle.to_tensor([500, 500]), context), dict(added_cond_kwargs=added)
 
 
+@contextlib.contextmanager
 def call_held_inside_forward(unet, seed=0):
     """Run ``unet_output(unet, seed)`` in another thread, held inside its forward (at the first transformer block's
     cross-attention, after its self-attention ran on merged tokens) until the ``with`` body ends. Yields a dict whose

@@ -39,7 +39,8 @@ ORDERS = ("grid", "feature")
 class LocalMergePlan(MergePlan):
     """A merge plan whose matching stays inside windows (build one with :meth:`from_matching`); this class is the
     CPU kernels' form, row tables applied as by :class:`~ppdiffusers_tome.ops.global_plan.MergePlan`. The
-    similarity is a batched ``[B*W, Ns_w, Nd_w]`` product: it grows as ``N * window`` instead of ``N**2``."""
+    similarity is a batched ``[B*W, Ns_w, Nd_w]`` product: it grows as ``N * window**2`` (``window`` tokens per side)
+    instead of ``N**2``."""
 
     def __init__(self, num_tokens: int, batch_size: int, r: int = 0, kind: str = "cpu"):
         MergePlan.__init__(self, num_tokens, batch_size, r, kind)

@@ -1,7 +1,8 @@
 """Windows for local matching: equal ``wy x wx`` tiles of the token grid, each with its own cells and partition.
 
 A src is then compared only with the dst of its own window: the similarity is a batched ``[B*W, Ns_w, Nd_w]``
-product, which grows as ``N * window`` instead of ``N**2`` (the recipe of ToMA, Lu et al. 2025).
+product, which grows as ``N * window**2`` (``window`` tokens per side) instead of ``N**2`` (the recipe of ToMA, Lu et
+al. 2025).
 """
 
 from __future__ import annotations

@@ -38,6 +38,34 @@ def _positive_int(text: str) -> int:
     return value
 
 
+MAX_SEED = 2**63 - 1  # Paddle's generators take seeds below 2**64; the presets add small offsets to the seed
+
+
+def _seed(text: str) -> int:
+    """``--seed``: an integer in [0, 2**63 - 1]."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer in [0, 2**63 - 1]; got {text!r}") from None
+    if not 0 <= value <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"must be an integer in [0, 2**63 - 1]; got {text}")
+    return value
+
+
+def _output_folder(path: str) -> Optional[str]:
+    """Why ``path`` cannot become the output folder (an existing file, or a file where a parent folder should be),
+    or None."""
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        what = "is a file" if probe == os.path.abspath(path) else f"cannot be created: {probe} is a file"
+        return f"--output {path} {what}; give a folder (it is created if missing)"
+    if not os.access(probe, os.W_OK):
+        return f"--output {path}: {probe} is not writable"
+    return None
+
+
 def _resolution(text: str) -> int:
     value = int(text)
     if value < 8 or value % 8:
@@ -117,7 +145,7 @@ def _add_demo_parser(sub: argparse._SubParsersAction) -> None:
     demo.add_argument("--steps", type=_positive_int, default=None,
                       help="denoising steps (default: 20 for the shapes model, 8 for a preset or --model)")
     demo.add_argument("--repeats", type=_positive_int, default=3, help="timed runs per method (median reported)")
-    demo.add_argument("--seed", type=int, default=0,
+    demo.add_argument("--seed", type=_seed, default=0,
                       help="seed of a preset's random weights and of the initial latents")
     demo.add_argument("--prompt", default=None,
                       help=f"prompt (default: {SHAPES_PROMPT!r} for the shapes model, whose vocabulary is its "
@@ -162,7 +190,7 @@ def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
     bench.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
                        help="default: float16 with --device gpu, float32 on CPU")
     bench.add_argument("--threads", type=_positive_int, default=None, help="CPU threads for Paddle (default: all)")
-    bench.add_argument("--seed", type=int, default=0,
+    bench.add_argument("--seed", type=_seed, default=0,
                        help="seed of a preset's random weights and of the initial latents")
     bench.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     bench.add_argument("--no-time-split", action="store_true", help="skip the attention/matching/rest split")
@@ -175,6 +203,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the command line ``argv`` (default ``sys.argv[1:]``); returns the exit status (2 on bad input)."""
     ignore_import_warnings()  # (the package's __init__ did it already when this process is the command line)
     args = build_parser().parse_args(argv)
+    problem = _output_folder(args.output)
+    if problem:  # before anything runs: the results of minutes of work must have somewhere to go
+        sys.stderr.write(f"ppdiffusers-tome {args.command}: error: {problem}\n")
+        return 2
     # The one import inside a function, on purpose: the commands import Paddle and ppdiffusers (seconds), which
     # ``--help`` and ``--version`` (answered by the parser above) must not wait for; tests/test_cli.py checks it.
     from .bench import commands

@@ -1,4 +1,4 @@
-"""The embedded models: pipelines built from the configs shipped in ``ppdiffusers_tome/configs`` with random
+"""The embedded models: pipelines built from the configs shipped in ``ppdiffusers_tome/tools/configs`` with random
 weights (no downloads), the memory check that runs before anything is built, and the loader for a real local
 pipeline folder. The demo's default model, the benchmark architectures and the tiny test models all live here.
 
