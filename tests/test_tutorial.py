@@ -132,4 +132,4 @@ def test_readmes_point_to_the_notebook():
     with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
         readme = f.read()
     examples = readme.split("## Examples", 1)[1].split("\n## ", 1)[0]
-    assert "docs/tutorial_cn.ipynb" in examples and readme.count("tutorial_cn.ipynb") == 1
+    assert "docs/tutorial_cn.ipynb" in examples and readme.count("](docs/tutorial_cn.ipynb)") == 1  # one link
