@@ -1,4 +1,5 @@
-"""Arguments of apply_tome that are arrays, tensors, huge or numpy scalars: refused by name (leaving the model as it\nwas) or applied as plain values."""
+"""Arguments of apply_tome that are arrays, tensors, huge or numpy scalars: refused by name (leaving the model as it
+was) or applied as plain values."""
 
 import numpy as np
 import paddle

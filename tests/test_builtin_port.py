@@ -1,4 +1,5 @@
-"""ppdiffusers' built-in ToMe port: a failure half-way through apply_tome leaves it (and this package's earlier\npatch) exactly as it was; a success replaces it on every model."""
+"""ppdiffusers' built-in ToMe port: a failure half-way through apply_tome leaves it (and this package's earlier
+patch) exactly as it was; a success replaces it on every model."""
 
 import numpy as np
 import paddle

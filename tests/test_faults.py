@@ -1,4 +1,6 @@
-"""Faults and recovery: reset_tome never disturbs a call in flight, a generation retried after a fault matches a\nfresh model, an early exception spends no warning, changes refuse while a forward runs, a NaN timestep is a clear\nerror."""
+"""Faults and recovery: reset_tome never disturbs a call in flight, a generation retried after a fault matches a
+fresh model, an early exception spends no warning, changes refuse while a forward runs, a NaN timestep is a clear
+error."""
 
 # items 1, 5, 6, 7, 9: threads, a retry after a fault, early exceptions, non-finite timesteps ----------------------
 import pickle

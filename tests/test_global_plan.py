@@ -1,4 +1,6 @@
-"""Global bipartite soft matching and its plan against a float64 numpy reference, on both kernel families (the GPU\nfamily run on the CPU): matching, merge, unmerge, r, ties, dtypes, shapes, non-finite and extreme tokens, and the\nGPU family's own promises (no single-row sort, half precision kept)."""
+"""Global bipartite soft matching and its plan against a float64 numpy reference, on both kernel families (the GPU
+family run on the CPU): matching, merge, unmerge, r, ties, dtypes, shapes, non-finite and extreme tokens, and the
+GPU family's own promises (no single-row sort, half precision kept)."""
 
 import math
 

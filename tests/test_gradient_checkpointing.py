@@ -1,4 +1,5 @@
-"""Gradient checkpointing with ToMe: the same gradients as without checkpointing, and training steps that run and\nleave the patch copyable."""
+"""Gradient checkpointing with ToMe: the same gradients as without checkpointing, and training steps that run and
+leave the patch copyable."""
 
 import numpy as np
 import paddle

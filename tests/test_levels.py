@@ -1,4 +1,5 @@
-"""Which blocks merge: max_downsample and "auto" (the finest level with transformer blocks, also on SDXL and odd\nlatents), and the warnings when a setting merges nothing."""
+"""Which blocks merge: max_downsample and "auto" (the finest level with transformer blocks, also on SDXL and odd
+latents), and the warnings when a setting merges nothing."""
 
 import warnings
 

@@ -1,4 +1,5 @@
-"""Pickling: a patched model, pipeline or patch pickles to one patched the same way, keeps working in threads, and\nits hooks never collide with hooks registered later in a fresh process."""
+"""Pickling: a patched model, pipeline or patch pickles to one patched the same way, keeps working in threads, and
+its hooks never collide with hooks registered later in a fresh process."""
 
 import pickle
 

@@ -1,4 +1,5 @@
-"""The planner's decisions across calls and blocks: plans reused across steps (recompute_every), ratio\nschedules, plans shared per level, local plans (match_window) and min_tokens."""
+"""The planner's decisions across calls and blocks: plans reused across steps (recompute_every), ratio
+schedules, plans shared per level, local plans (match_window) and min_tokens."""
 
 import warnings
 

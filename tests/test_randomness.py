@@ -1,4 +1,5 @@
-"""ToMe's own randomness: the partition is a function of (seed, block, grid, timestep), never of the call history\nor of Paddle's global RNG, so identical calls give identical images and both halves of guidance share it."""
+"""ToMe's own randomness: the partition is a function of (seed, block, grid, timestep), never of the call history
+or of Paddle's global RNG, so identical calls give identical images and both halves of guidance share it."""
 
 import numpy as np
 import paddle

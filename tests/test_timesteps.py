@@ -1,4 +1,5 @@
-"""Timesteps of every kind (0-d, [B], float, huge, negative, missing) run as in vanilla with the defaults; a\nnon-finite one with a ratio schedule is a clear error."""
+"""Timesteps of every kind (0-d, [B], float, huge, negative, missing) run as in vanilla with the defaults; a
+non-finite one with a ratio schedule is a clear error."""
 
 import numpy as np
 import paddle

@@ -1,4 +1,5 @@
-"""ToDo (method="todo"): only self-attention's keys and values are downsampled, every query stays, nothing is\nmatched, and it composes with the efficient attention processor."""
+"""ToDo (method="todo"): only self-attention's keys and values are downsampled, every query stays, nothing is
+matched, and it composes with the efficient attention processor."""
 
 import numpy as np
 import paddle

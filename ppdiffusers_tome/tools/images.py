@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
 
 from PIL import Image, ImageDraw, ImageFont
 
@@ -25,14 +25,14 @@ class RowLayout:
     and the ``labels`` as drawn (shortened with ``...`` only when one would not fit its tile even at the smallest
     font size)."""
 
-    size: Tuple[int, int]
+    size: tuple[int, int]
     scale: int
-    tile: Tuple[int, int]
+    tile: tuple[int, int]
     font_size: int
     label_height: int
-    tile_boxes: List[Tuple[int, int, int, int]]
-    text_boxes: List[Tuple[int, int, int, int]]
-    labels: List[str]
+    tile_boxes: list[tuple[int, int, int, int]]
+    text_boxes: list[tuple[int, int, int, int]]
+    labels: list[str]
 
 
 MIN_TILE = 128  # px: the shortest side an image is shown at in a labelled row
@@ -62,7 +62,7 @@ def _shorten(font: ImageFont.ImageFont, text: str, room: int) -> str:
     return text + "..."
 
 
-def row_layout(sizes: Sequence[Tuple[int, int]], labels: Sequence[str], min_tile: int = MIN_TILE) -> RowLayout:
+def row_layout(sizes: Sequence[tuple[int, int]], labels: Sequence[str], min_tile: int = MIN_TILE) -> RowLayout:
     """The layout of a labelled row of images of ``sizes`` (``(width, height)``; every image is shown at the size
     of the first): images whose shorter side is under ``min_tile`` px are enlarged by a whole factor (nearest
     neighbour, so each pixel stays a sharp square), the labels sit in their own row above the tiles, centred,
@@ -125,9 +125,9 @@ def side_by_side(images: Sequence[Image.Image], labels: Sequence[str], min_tile:
 SCALE_HEIGHT = 10  # px of the grey ramp of a scale bar
 
 
-def _wrapped(font: ImageFont.ImageFont, text: str, width: int) -> List[str]:
+def _wrapped(font: ImageFont.ImageFont, text: str, width: int) -> list[str]:
     """``text`` cut into lines no wider than ``width`` px (whole words; a word wider than the line stands alone)."""
-    lines: List[str] = []
+    lines: list[str] = []
     for word in text.split():
         if lines and _text_width(font, lines[-1] + " " + word) <= width:
             lines[-1] += " " + word
@@ -136,7 +136,7 @@ def _wrapped(font: ImageFont.ImageFont, text: str, width: int) -> List[str]:
     return lines
 
 
-def annotate(row: Image.Image, scale_box: Optional[Tuple[int, int, int, int]] = None, low: str = "0",
+def annotate(row: Image.Image, scale_box: tuple[int, int, int, int] | None = None, low: str = "0",
              high: str = "1", caption: str = "") -> Image.Image:
     """``row`` with, below it, a scale bar under the tile at ``scale_box`` (a black-to-white ramp from ``low`` to
     ``high``, labelled at its ends) and ``caption`` wrapped to the row's width.

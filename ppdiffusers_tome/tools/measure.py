@@ -20,13 +20,14 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any
 
 import numpy as np
 import paddle
-import paddle.profiler as profiler
 import ppdiffusers
+from paddle import profiler
 from paddle.base.core import TracerEventType
 
 from .. import __version__
@@ -38,22 +39,22 @@ except ImportError:  # pragma: no cover - Windows
     resource = None
 
 __all__ = [
-    "PeakMemory",
     "ForwardTimer",
-    "psnr",
-    "relative_l2",
-    "set_threads",
+    "MergingBlocks",
+    "OpCount",
+    "PeakMemory",
+    "Transfer",
+    "TransferCounter",
+    "count_forward_ops",
+    "count_ops",
     "environment",
     "median",
     "on_gpu",
-    "render_table",
-    "Transfer",
-    "TransferCounter",
-    "OpCount",
-    "count_ops",
-    "MergingBlocks",
     "ops_added_per_block",
-    "count_forward_ops",
+    "psnr",
+    "relative_l2",
+    "render_table",
+    "set_threads",
 ]
 
 logger = logging.getLogger(__name__)
@@ -92,14 +93,14 @@ class PeakMemory:
         self.baseline_bytes = 0
         self.peak_bytes = 0
         self._stop = threading.Event()
-        self._thread: Optional[threading.Thread] = None
+        self._thread: threading.Thread | None = None
 
     def _sample(self) -> None:
         while not self._stop.is_set():
             self.peak_bytes = max(self.peak_bytes, _rss_bytes())
             self._stop.wait(self.interval)
 
-    def __enter__(self) -> "PeakMemory":
+    def __enter__(self) -> PeakMemory:
         if self.kind == "gpu_max_allocated":
             paddle.device.cuda.synchronize()
             paddle.device.cuda.reset_max_memory_allocated()
@@ -135,9 +136,9 @@ class ForwardTimer:
     1
     """
 
-    def __init__(self, layer: paddle.nn.Layer, synchronize: Optional[Callable[[], None]] = None):
+    def __init__(self, layer: paddle.nn.Layer, synchronize: Callable[[], None] | None = None):
         self.layer = layer
-        self.seconds: List[float] = []
+        self.seconds: list[float] = []
         self._start = 0.0
         # waits for queued device work before each clock read (default: a CUDA synchronize when on a GPU)
         self._sync = synchronize if synchronize is not None else (paddle.device.cuda.synchronize if on_gpu() else None)
@@ -162,7 +163,7 @@ class ForwardTimer:
         self._handles = []
 
 
-def render_table(rows: List[List[str]]) -> str:
+def render_table(rows: list[list[str]]) -> str:
     """Rows of strings (the first one the header) as an aligned text table.
 
     >>> print(render_table([["a", "bb"], ["ccc", "d"]]))
@@ -176,7 +177,7 @@ def render_table(rows: List[List[str]]) -> str:
     return "\n".join(lines)
 
 
-def median(values: List[float]) -> float:
+def median(values: list[float]) -> float:
     return float(statistics.median(values)) if values else float("nan")
 
 
@@ -203,7 +204,7 @@ def relative_l2(reference: np.ndarray, test: np.ndarray) -> float:
     return float(np.linalg.norm(np.asarray(test, np.float64) - reference) / norm)
 
 
-def set_threads(threads: Optional[int]) -> int:
+def set_threads(threads: int | None) -> int:
     """Let Paddle's CPU kernels use ``threads`` threads (all cores when None); returns the number set. Paddle's
     CPU build uses one thread unless told otherwise."""
     count = int(threads) if threads else (os.cpu_count() or 1)
@@ -213,10 +214,10 @@ def set_threads(threads: Optional[int]) -> int:
     return count
 
 
-def environment(threads: int, dtype: str) -> Dict[str, Any]:
+def environment(threads: int, dtype: str) -> dict[str, Any]:
     """What a result was measured on: versions, device, dtype, threads, machine and date."""
     return {
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "paddle": paddle.__version__,
         "ppdiffusers": ppdiffusers.__version__,
         "ppdiffusers_tome": __version__,
@@ -300,13 +301,13 @@ class TransferCounter:
     """
 
     def __init__(self) -> None:
-        self.events: List[Transfer] = []
+        self.events: list[Transfer] = []
         self._lock = threading.Lock()
         self._depth = threading.local()
-        self._saved: List[tuple] = []  # (owner, name, original, had_own_attribute)
+        self._saved: list[tuple] = []  # (owner, name, original, had_own_attribute)
 
     # the window ---------------------------------------------------------------------------------------------------
-    def __enter__(self) -> "TransferCounter":
+    def __enter__(self) -> TransferCounter:
         if self._saved:
             raise RuntimeError("TransferCounter is already active; use a new one for a nested window")
         try:
@@ -342,7 +343,7 @@ class TransferCounter:
             else:  # pragma: no cover - the attribute was inherited
                 delattr(owner, name)
 
-    def _wrap(self, kind: str, original: Callable, host_data: Optional[Callable[[Any], bool]]) -> Callable:
+    def _wrap(self, kind: str, original: Callable, host_data: Callable[[Any], bool] | None) -> Callable:
         counter = self
 
         def wrapper(*args, **kwargs):
@@ -371,11 +372,11 @@ class TransferCounter:
         return len(self.events)
 
     @property
-    def counts(self) -> Dict[str, int]:
+    def counts(self) -> dict[str, int]:
         """Transfers per kind, in the order first seen."""
         return dict(collections.Counter(event.kind for event in self.events))
 
-    def by_site(self) -> Dict[str, int]:
+    def by_site(self) -> dict[str, int]:
         """Transfers per ``kind at file:line``, most frequent first."""
         return dict(collections.Counter(str(event) for event in self.events).most_common())
 
@@ -394,9 +395,9 @@ class OpCount:
     the call returned and ``merging_blocks`` what a :class:`MergingBlocks` window counted, when one was given."""
 
     total: int
-    by_name: Dict[str, int]
+    by_name: dict[str, int]
     result: Any = None
-    merging_blocks: Optional[int] = None
+    merging_blocks: int | None = None
     source: str = "profiler"
 
 
@@ -404,7 +405,7 @@ def _operator_name(name: str) -> str:
     return name.split(" ", 1)[0].split("[", 1)[0]
 
 
-def _ops_from_tree(result: Any) -> Optional[collections.Counter]:
+def _ops_from_tree(result: Any) -> collections.Counter | None:
     """Operator events from the profiler's host event trees (``_ProfilerResult.get_data()``: thread id -> root node
     with ``children_node``), or None when this Paddle does not expose them."""
     get_data = getattr(result, "get_data", None)
@@ -482,11 +483,11 @@ class MergingBlocks:
         models = list(models) if isinstance(models, (list, tuple)) else [models]
         self._blocks = [block for model in models for _, block in find_blocks(model)]
         self.count = 0
-        self._handles: List[Any] = []
-        self._tokens: Dict[int, int] = {}  # block id -> tokens of the call in flight
-        self._merged: Dict[int, bool] = {}
+        self._handles: list[Any] = []
+        self._tokens: dict[int, int] = {}  # block id -> tokens of the call in flight
+        self._merged: dict[int, bool] = {}
 
-    def __enter__(self) -> "MergingBlocks":
+    def __enter__(self) -> MergingBlocks:
         try:
             for block in self._blocks:
                 key = id(block)
@@ -512,7 +513,7 @@ class MergingBlocks:
             self._handles.pop().remove()
 
     @staticmethod
-    def _tokens_of(args: Any) -> Optional[int]:
+    def _tokens_of(args: Any) -> int | None:
         x = args[0] if args else None
         shape = getattr(x, "shape", None)
         return int(shape[1]) if shape is not None and len(shape) == 3 else None

@@ -26,46 +26,47 @@ import math
 import os
 import shutil
 import tempfile
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from collections.abc import Sequence
+from typing import Any
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 
 __all__ = [
-    "DTYPES",
-    "check_dtype",
-    "available_presets",
-    "load_preset",
-    "preset_summary",
-    "default_resolution",
-    "preset_layout",
-    "folder_layout",
-    "estimate_attention_bytes",
-    "available_memory_bytes",
-    "check_attention_memory",
-    "preset_pipeline",
-    "load_local_pipeline",
     "DEFAULT_PRESET",
-    "write_tokenizer_files",
-    "tiny_tokenizer",
-    "tiny_text_encoder",
-    "tiny_unet",
-    "tiny_vae",
+    "DTYPES",
+    "available_memory_bytes",
+    "available_presets",
+    "check_attention_memory",
+    "check_dtype",
+    "default_resolution",
+    "estimate_attention_bytes",
+    "folder_layout",
+    "load_local_pipeline",
+    "load_preset",
+    "make_scheduler",
+    "preset_layout",
+    "preset_pipeline",
+    "preset_summary",
     "random_controlnet",
     "tiny_controlnet",
-    "make_scheduler",
-    "tiny_sd_pipeline",
     "tiny_controlnet_pipeline",
-    "tiny_sdxl_unet",
-    "tiny_sdxl_pipeline",
-    "tiny_dit_transformer",
     "tiny_dit_pipeline",
+    "tiny_dit_transformer",
+    "tiny_sd_pipeline",
+    "tiny_sdxl_pipeline",
+    "tiny_sdxl_unet",
+    "tiny_text_encoder",
+    "tiny_tokenizer",
+    "tiny_unet",
+    "tiny_vae",
+    "write_tokenizer_files",
 ]
 
 DEFAULT_PRESET = "sd15-narrow"
 
 
 # configs ----------------------------------------------------------------------------------------------------------
-def available_presets() -> List[str]:
+def available_presets() -> list[str]:
     """Names of the shipped pipeline configs.
 
     >>> "sd15-narrow" in available_presets()
@@ -74,7 +75,7 @@ def available_presets() -> List[str]:
     return sorted(name[: -len(".json")] for name in os.listdir(CONFIG_DIR) if name.endswith(".json"))
 
 
-def load_preset(name: str) -> Dict[str, Any]:
+def load_preset(name: str) -> dict[str, Any]:
     """The config dict of preset ``name`` (see :func:`available_presets`)."""
     names = available_presets()
     if name not in names:
@@ -104,7 +105,7 @@ _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 _ATTENTION_COPIES = 2
 _GIB = 1024.0**3
 
-Layout = Tuple[Dict[str, Any], int]  # (UNet config, VAE scale factor)
+Layout = tuple[dict[str, Any], int]  # (UNet config, VAE scale factor)
 
 
 def preset_layout(name: str) -> Layout:
@@ -113,7 +114,7 @@ def preset_layout(name: str) -> Layout:
     return config["unet"], 2 ** (len(config["vae"]["block_out_channels"]) - 1)
 
 
-def folder_layout(folder: str) -> Optional[Layout]:
+def folder_layout(folder: str) -> Layout | None:
     """The UNet config and VAE scale factor of a local pipeline folder (read from ``unet/config.json`` and
     ``vae/config.json``, nothing loaded), or ``None`` when the folder has no UNet (a DiT, for example)."""
     try:
@@ -129,7 +130,7 @@ def folder_layout(folder: str) -> Optional[Layout]:
     return unet, scale
 
 
-def _attention_levels(unet: Dict[str, Any], resolution: int, vae_scale: int) -> List[Tuple[int, int]]:
+def _attention_levels(unet: dict[str, Any], resolution: int, vae_scale: int) -> list[tuple[int, int]]:
     """``(tokens, heads)`` of every UNet level with transformer blocks at ``resolution`` pixels."""
     heads = unet.get("num_attention_heads") or unet.get("attention_head_dim") or 8
     types = list(unet.get("down_block_types", []))
@@ -168,7 +169,7 @@ def estimate_attention_bytes(
     return _ATTENTION_COPIES * rows * largest * _DTYPE_BYTES[dtype]
 
 
-def available_memory_bytes() -> Optional[int]:
+def available_memory_bytes() -> int | None:
     """Memory the system can give a new process without swapping (``MemAvailable`` of ``/proc/meminfo``), or
     ``None`` where that is not known (not Linux)."""
     try:
@@ -190,13 +191,13 @@ def _fitting_resolution(layout: Layout, upto: int, budget: float, images: int, d
 
 
 def check_attention_memory(
-    layout: Optional[Layout],
+    layout: Layout | None,
     resolutions: Sequence[int],
     images: int = 1,
     dtype: str = "float32",
     source: str = "this model",
     option: str = "--resolution",
-    available: Optional[int] = None,
+    available: int | None = None,
 ) -> None:
     """Raise ``ValueError`` before anything is built when the largest self-attention of a run at any of
     ``resolutions`` (``images`` per call, with classifier-free guidance) needs more memory than is available.
@@ -242,7 +243,7 @@ def _libs():
     ``ppdiffusers`` module does not expose as an attribute.)"""
     import paddle
     import ppdiffusers
-    import ppdiffusers.transformers as transformers
+    from ppdiffusers import transformers
 
     return paddle, ppdiffusers, transformers
 
@@ -263,7 +264,7 @@ def _byte_symbols() -> list:
     return [symbols[b] for b in range(256)]
 
 
-def write_tokenizer_files(folder: str) -> Dict[str, str]:
+def write_tokenizer_files(folder: str) -> dict[str, str]:
     """Write a minimal CLIP ``vocab.json`` and ``merges.txt`` (bytes, their word-final forms, two special
     tokens, no merges) into ``folder`` and return their paths."""
     symbols = _byte_symbols()
@@ -278,10 +279,10 @@ def write_tokenizer_files(folder: str) -> Dict[str, str]:
     return paths
 
 
-_tokenizer_files_written: Optional[Dict[str, str]] = None
+_tokenizer_files_written: dict[str, str] | None = None
 
 
-def _tokenizer_files() -> Dict[str, str]:
+def _tokenizer_files() -> dict[str, str]:
     """The tokenizer files, written once per process (a tokenizer reads them again in ``save_pretrained``)."""
     global _tokenizer_files_written
     if _tokenizer_files_written is None:
@@ -319,7 +320,7 @@ def tiny_text_encoder(vocab_size: int, max_length: int = 16, projection: bool = 
     return model
 
 
-def _seeded_model(class_name: str, config: Dict[str, Any], seed: int):
+def _seeded_model(class_name: str, config: dict[str, Any], seed: int):
     """The ppdiffusers model ``class_name`` built from ``config`` after ``paddle.seed(seed)``, in eval mode."""
     paddle, ppdiffusers, _ = _libs()
     paddle.seed(seed)
@@ -394,7 +395,7 @@ _DEFAULT_SCHEDULERS = {"sd": "DDIMScheduler", "controlnet": "DDIMScheduler", "sd
 _NO_SAFETY_CHECKER = dict(safety_checker=None, feature_extractor=None, requires_safety_checker=False)
 
 
-def _text_parts(config: Dict[str, Any], suffix: str, seed: int) -> Dict[str, Any]:
+def _text_parts(config: dict[str, Any], suffix: str, seed: int) -> dict[str, Any]:
     """``tokenizer{suffix}`` and ``text_encoder{suffix}`` of a preset ``config``: ``suffix`` is ``""``, or ``"_2"``
     for SDXL's second text encoder (the one with a projection)."""
     max_length = config.get("tokenizer_max_length", 77)
@@ -404,7 +405,7 @@ def _text_parts(config: Dict[str, Any], suffix: str, seed: int) -> Dict[str, Any
     return {"tokenizer" + suffix: tokenizer, "text_encoder" + suffix: encoder}
 
 
-def _controlnet_part(config: Dict[str, Any], unet, seed: int, count: int):
+def _controlnet_part(config: dict[str, Any], unet, seed: int, count: int):
     """The ControlNet of a ``controlnet`` preset, or a ``MultiControlNetModel`` of ``count`` of them."""
     _, ppdiffusers, _ = _libs()
     nets = [random_controlnet(unet, seed + 3 + i, **config["controlnet"]) for i in range(count)]
@@ -423,8 +424,8 @@ def _finish(pipe, dtype: str = "float32"):
     return pipe
 
 
-def _assemble(name: str, scheduler: Optional[str] = None, seed: int = 0, dtype: str = "float32",
-              task: str = "txt2img", unet: Optional[Any] = None, num_controlnets: int = 1):
+def _assemble(name: str, scheduler: str | None = None, seed: int = 0, dtype: str = "float32",
+              task: str = "txt2img", unet: Any | None = None, num_controlnets: int = 1):
     """The pipeline of preset ``name`` for ``task`` with random weights (seeded, so reproducible); ``unet``
     replaces the preset's UNet, ``num_controlnets > 1`` gives a ControlNet preset a MultiControlNet."""
     _, ppdiffusers, _ = _libs()
@@ -472,7 +473,7 @@ def check_dtype(dtype: str) -> None:
                          f"leave --dtype at float32 (the default); for half precision, {GPU_INSTALL_HINT}")
 
 
-def preset_pipeline(name: str = DEFAULT_PRESET, scheduler: Optional[str] = None, seed: int = 0, dtype: str = "float32"):
+def preset_pipeline(name: str = DEFAULT_PRESET, scheduler: str | None = None, seed: int = 0, dtype: str = "float32"):
     """A pipeline built from preset ``name`` with random weights (seeded, so reproducible): a
     ``StableDiffusionPipeline``, a ``StableDiffusionXLPipeline`` or a ``StableDiffusionControlNetPipeline``,
     as the preset's ``pipeline`` key says.
@@ -485,7 +486,7 @@ def preset_pipeline(name: str = DEFAULT_PRESET, scheduler: Optional[str] = None,
 
 
 def tiny_sd_pipeline(
-    kind: str = "txt2img", scheduler: str = "DDIMScheduler", seed: int = 0, unet: Optional[Any] = None
+    kind: str = "txt2img", scheduler: str = "DDIMScheduler", seed: int = 0, unet: Any | None = None
 ):
     """The ``tiny`` preset's Stable Diffusion pipeline (as :func:`preset_pipeline`) for ``kind`` ``txt2img``,
     ``img2img`` or ``inpaint`` (a UNet with 9 input channels); ``unet`` replaces the preset's UNet.
@@ -517,7 +518,7 @@ def tiny_dit_transformer(norm_type: str = "ada_norm_zero", seed: int = 0, sample
     paddle, _, _ = _libs()
     if norm_type not in ("ada_norm_zero", "ada_norm_single"):
         raise ValueError(f"norm_type must be 'ada_norm_zero' (DiT) or 'ada_norm_single' (PixArt-alpha); got {norm_type!r}")
-    kwargs: Dict[str, Any] = dict(
+    kwargs: dict[str, Any] = dict(
         num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=8, num_layers=3,
         sample_size=sample_size, patch_size=2, activation_fn="gelu-approximate", norm_type=norm_type,
         norm_elementwise_affine=False, num_embeds_ada_norm=1000,
@@ -545,13 +546,13 @@ def tiny_dit_pipeline(scheduler: str = "DDIMScheduler", seed: int = 0):
     return _finish(pipe)
 
 
-def load_local_pipeline(folder: str, dtype: str = "float32", scheduler: Optional[str] = None):
+def load_local_pipeline(folder: str, dtype: str = "float32", scheduler: str | None = None):
     """Load a pipeline saved with ``save_pretrained`` (or downloaded beforehand) from a local ``folder``, without
     ppdiffusers' loading bar (its setting is restored afterwards)."""
     paddle, ppdiffusers, _ = _libs()
     if not os.path.isfile(os.path.join(folder, "model_index.json")):
         raise ValueError(f"--model must be a local pipeline folder with a model_index.json; got {folder!r}")
-    kwargs: Dict[str, Any] = {"paddle_dtype": getattr(paddle, dtype)}
+    kwargs: dict[str, Any] = {"paddle_dtype": getattr(paddle, dtype)}
     from ppdiffusers.utils import logging as ppdiffusers_logging
 
     shown = ppdiffusers_logging.is_progress_bar_enabled()

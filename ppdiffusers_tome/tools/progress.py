@@ -24,7 +24,7 @@ import logging
 import sys
 import threading
 import time
-from typing import IO, Any, List, Optional, Tuple
+from typing import IO, Any
 
 __all__ = ["ProgressBar"]
 
@@ -40,7 +40,7 @@ def _clock(seconds: float) -> str:
 class _BarStream:
     """A stream proxy that wipes the bar before writing and redraws it after a completed line."""
 
-    def __init__(self, stream: IO[str], bar: "ProgressBar"):
+    def __init__(self, stream: IO[str], bar: ProgressBar):
         self._stream = stream
         self._bar = bar
 
@@ -69,8 +69,8 @@ class ProgressBar:
         total: int,
         desc: str = "",
         unit: str = "it",
-        stream: Optional[IO[str]] = None,
-        enabled: Optional[bool] = None,
+        stream: IO[str] | None = None,
+        enabled: bool | None = None,
         leave: bool = False,
         width: int = 24,
         min_interval: float = 0.1,
@@ -88,8 +88,8 @@ class ProgressBar:
         self._drawn = 0  # characters of the bar currently on screen
         self._lock = threading.RLock()
         self._proxy = _BarStream(self.stream, self)
-        self._swapped: List[Tuple[logging.StreamHandler, IO[str]]] = []
-        self._saved_stderr: Optional[IO[str]] = None
+        self._swapped: list[tuple[logging.StreamHandler, IO[str]]] = []
+        self._saved_stderr: IO[str] | None = None
         self._open = False
         if self.enabled:
             self._install()
@@ -176,8 +176,8 @@ class ProgressBar:
             self._open = False
             self._uninstall()
 
-    def __enter__(self) -> "ProgressBar":
+    def __enter__(self) -> ProgressBar:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Dict
+from typing import Any
 
 __all__ = ["DEMO_GUIDANCE", "DEMO_PROMPT", "DEMO_STEPS", "MODEL_DIR", "has_weights", "load_pipeline",
            "pipeline_folder", "training_info"]
@@ -61,7 +61,7 @@ def load_pipeline(dtype: str = "float32", folder: str = ""):
     return load_local_pipeline(folder or pipeline_folder(), dtype=dtype)
 
 
-def training_info() -> Dict[str, Any]:
+def training_info() -> dict[str, Any]:
     """What ``training.json`` records: the commands that made the weights, their step counts and accuracy."""
     path = os.path.join(MODEL_DIR, "training.json")
     if not os.path.isfile(path):

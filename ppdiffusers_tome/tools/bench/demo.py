@@ -5,7 +5,8 @@ and legend, the PNG grid of images (:func:`image_grid`), and the warning when it
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 from PIL import Image
@@ -37,7 +38,7 @@ def first_image(outputs: RunOutputs) -> np.ndarray:
     return outputs.images[0]
 
 
-def demo_rows(cells: Sequence[Cell], outputs: Dict[str, RunOutputs]) -> List[Dict[str, Any]]:
+def demo_rows(cells: Sequence[Cell], outputs: dict[str, RunOutputs]) -> list[dict[str, Any]]:
     """The demo's result rows from a one-resolution, batch-1 run of the runner (``cells[0]`` is vanilla). The UNet
     time is the median of every forward of every timed run (the first forward of each left out)."""
     reference = first_image(outputs[cells[0].label])
@@ -62,12 +63,12 @@ def demo_rows(cells: Sequence[Cell], outputs: Dict[str, RunOutputs]) -> List[Dic
     return rows
 
 
-def _speedup(row: Dict[str, Any]) -> str:
+def _speedup(row: dict[str, Any]) -> str:
     one_run = row["method"] != "vanilla" and len(row["runs_seconds"]) == 1
     return speedup_label(row["speedup"], one_run, bool(row.get("merges_nothing")))
 
 
-def single_run_note(rows: Sequence[Dict[str, Any]]) -> Optional[str]:
+def single_run_note(rows: Sequence[dict[str, Any]]) -> str | None:
     """The note under the table when every speed-up comes from one timed run (``--repeats 1``), else ``None``.
 
     >>> single_run_note([{"method": "vanilla", "runs_seconds": [1.0]}, {"method": "tome", "runs_seconds": [0.9]}])[:40]
@@ -78,7 +79,7 @@ def single_run_note(rows: Sequence[Dict[str, Any]]) -> Optional[str]:
     return single_run_text("method", "(the default) or more")
 
 
-def format_demo_table(rows: List[Dict[str, Any]]) -> str:
+def format_demo_table(rows: list[dict[str, Any]]) -> str:
     """The demo's table: one row per method with time, speed-up, memory and difference to vanilla."""
     header = ["method", "ratio", "s/image", "UNet s/call", "speed-up", "peak MiB", "added MiB", "max |diff|", "PSNR dB"]
     lines = [header]
@@ -113,7 +114,7 @@ def image_grid(tiles: Sequence[np.ndarray], labels: Sequence[str]) -> Image.Imag
     return side_by_side(images, labels)
 
 
-def demo_grid(rows: Sequence[Dict[str, Any]], images: Sequence[np.ndarray], caption: str = "") -> Image.Image:
+def demo_grid(rows: Sequence[dict[str, Any]], images: Sequence[np.ndarray], caption: str = "") -> Image.Image:
     """Vanilla's image, each ratio's, and the difference of the last one to vanilla (x :data:`DIFF_GAIN`),
     labelled; a scale bar under the difference (black 0, white 1/DIFF_GAIN or more, in pixel values 0..1) and
     ``caption`` under the row."""
@@ -124,7 +125,7 @@ def demo_grid(rows: Sequence[Dict[str, Any]], images: Sequence[np.ndarray], capt
     return annotate(image_grid(tiles, labels), layout.tile_boxes[-1], "diff 0", f">= {1 / DIFF_GAIN:g}", caption)
 
 
-def unstable_runs(rows: Sequence[Dict[str, Any]], tolerance: float = 0.25) -> List[str]:
+def unstable_runs(rows: Sequence[dict[str, Any]], tolerance: float = 0.25) -> list[str]:
     """The rows whose timed runs spread by more than ``tolerance`` of their median (``(max - min) / median``),
     as ``"vanilla 1.00-4.00 s"``. Non-empty means the machine was busy while the demo ran.
 
@@ -135,7 +136,7 @@ def unstable_runs(rows: Sequence[Dict[str, Any]], tolerance: float = 0.25) -> Li
     return unstable([(demo_label(row["method"], row["ratio"]), row["runs_seconds"]) for row in rows], tolerance)
 
 
-def noise_warning(rows: Sequence[Dict[str, Any]], tolerance: float = 0.25) -> Optional[str]:
+def noise_warning(rows: Sequence[dict[str, Any]], tolerance: float = 0.25) -> str | None:
     """A warning for the demo's output when its timed runs varied by more than ``tolerance`` (see
     :func:`unstable_runs` and :func:`~ppdiffusers_tome.tools.bench.report.spread_warning`): the range each speed-up
     could take judged by single runs, and whether that range includes 1.00x (then the speed-up is not

@@ -4,7 +4,8 @@ an out-of-memory error is recognised (:func:`is_out_of_memory`)."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import paddle
 
@@ -33,13 +34,13 @@ class DeviceMemory:
     """Peak device memory of a ``with`` window, from the functions of a :class:`CudaDevice` (same fields as
     :class:`ppdiffusers_tome.tools.measure.PeakMemory`)."""
 
-    def __init__(self, device: "CudaDevice"):
+    def __init__(self, device: CudaDevice):
         self.device = device
         self.kind = device.memory_kind
         self.baseline_bytes = 0
         self.peak_bytes = 0
 
-    def __enter__(self) -> "DeviceMemory":
+    def __enter__(self) -> DeviceMemory:
         self.device.synchronize()
         self.device.reset_peak()
         self.baseline_bytes = int(self.device.allocated())
@@ -65,10 +66,10 @@ class CudaDevice:
 
     def __init__(
         self,
-        synchronize: Optional[Callable[[], Any]] = None,
-        reset_peak: Optional[Callable[[], Any]] = None,
-        max_memory: Optional[Callable[[], int]] = None,
-        allocated: Optional[Callable[[], int]] = None,
+        synchronize: Callable[[], Any] | None = None,
+        reset_peak: Callable[[], Any] | None = None,
+        max_memory: Callable[[], int] | None = None,
+        allocated: Callable[[], int] | None = None,
     ):
         cuda = paddle.device.cuda
         self._synchronize = synchronize or paddle.device.synchronize

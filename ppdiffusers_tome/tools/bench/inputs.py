@@ -3,7 +3,7 @@ image for ControlNet pipelines) and fixed random inputs for one denoiser forward
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any
 
 import numpy as np
 import paddle
@@ -18,10 +18,10 @@ def control_image(size: int, seed: int) -> Image.Image:
 
 
 def pipeline_kwargs(pipe, size: int, batch: int, steps: int, seed: int, prompt: str,
-                    guidance_scale: Optional[float] = None) -> Dict[str, Any]:
+                    guidance_scale: float | None = None) -> dict[str, Any]:
     """The keyword arguments of one pipeline call of ``batch`` images (numpy output, seeded generator;
     ``guidance_scale`` ``None``: the pipeline's default)."""
-    kwargs: Dict[str, Any] = dict(
+    kwargs: dict[str, Any] = dict(
         prompt=[prompt] * batch,
         num_inference_steps=steps,
         height=size,
@@ -56,7 +56,7 @@ class DenoiserInputs:
         self.sample = tensor(rows, unet.config.in_channels, size // factor, size // factor)
         self.timestep = paddle.to_tensor([500] * rows, dtype="int64")
         self.context = tensor(rows, 77, unet.config.cross_attention_dim)
-        self.unet_kwargs: Dict[str, Any] = {}
+        self.unet_kwargs: dict[str, Any] = {}
         if getattr(unet.config, "addition_embed_type", None) == "text_time":
             proj = unet.config.projection_class_embeddings_input_dim - 6 * unet.config.addition_time_embed_dim
             time_ids = paddle.to_tensor([[size, size, 0, 0, size, size]] * rows, dtype="float32").astype(dtype)

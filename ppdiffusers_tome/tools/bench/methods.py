@@ -5,8 +5,9 @@ put in place on a pipeline (:func:`configure`), including the zero-overhead ``bo
 from __future__ import annotations
 
 import ast
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any
 
 import paddle
 
@@ -58,7 +59,7 @@ class Method:
 
     name: str
     ratio: float = 0.0
-    options: Dict[str, Any] = field(default_factory=dict)
+    options: dict[str, Any] = field(default_factory=dict)
 
     @property
     def label(self) -> str:
@@ -88,11 +89,11 @@ class BenchSettings:
     unet_only: bool = False
     seed: int = 0
     prompt: str = "a lighthouse on a cliff at sunset, detailed oil painting"
-    guidance_scale: Optional[float] = None  # None: the pipeline's default
+    guidance_scale: float | None = None  # None: the pipeline's default
     count_ops: bool = True  # ops/block: one extra denoiser forward per cell and method, profiled
 
 
-def _split_top_level(text: str) -> List[str]:
+def _split_top_level(text: str) -> list[str]:
     """Split ``a=1,b=(2,3)`` at the commas outside brackets."""
     parts, depth, current = [], 0, ""
     for char in text:
@@ -118,7 +119,7 @@ def parse_variant(text: str) -> Method:
     name = name.strip()
     if name not in APPLIED:
         raise ValueError(f"--variants: the method before ':' must be tome, tome-efficient, todo or todo-efficient; got {text!r}")
-    options: Dict[str, Any] = {}
+    options: dict[str, Any] = {}
     for item in _split_top_level(rest):
         key, eq, value = item.partition("=")
         key = key.strip()
@@ -138,9 +139,9 @@ def parse_variant(text: str) -> Method:
     return method
 
 
-def config_kwargs(method: Method, max_downsample: Any = "auto") -> Dict[str, Any]:
+def config_kwargs(method: Method, max_downsample: Any = "auto") -> dict[str, Any]:
     """The ``apply_tome`` keyword arguments of one of this package's methods (``tome``/``todo``, with options)."""
-    kwargs: Dict[str, Any] = dict(max_downsample=max_downsample)
+    kwargs: dict[str, Any] = dict(max_downsample=max_downsample)
     if method.name.startswith("todo"):
         kwargs["method"] = "todo"
     else:
@@ -149,7 +150,7 @@ def config_kwargs(method: Method, max_downsample: Any = "auto") -> Dict[str, Any
     return kwargs
 
 
-def _expand_variant(text: str, settings: BenchSettings) -> List[Method]:
+def _expand_variant(text: str, settings: BenchSettings) -> list[Method]:
     """The configurations one ``--variants`` entry adds: one, or one per ``--ratios`` value for a ``tome`` variant
     without its own ratio."""
     variant = parse_variant(text)
@@ -165,7 +166,7 @@ def _expand_variant(text: str, settings: BenchSettings) -> List[Method]:
     return [Method(variant.name, float(r), dict(variant.options)) for r in settings.ratios]
 
 
-def method_list(settings: BenchSettings) -> List[Method]:
+def method_list(settings: BenchSettings) -> list[Method]:
     """Every configuration a run of ``settings`` measures, vanilla first, one per label."""
     methods = []
     for name in settings.methods:
@@ -179,7 +180,7 @@ def method_list(settings: BenchSettings) -> List[Method]:
         methods.extend(_expand_variant(text, settings))
     if not any(m.name == "vanilla" for m in methods):
         methods.insert(0, Method("vanilla"))  # every ratio is against vanilla
-    unique: Dict[str, Method] = {}
+    unique: dict[str, Method] = {}
     for method in methods:  # one cell per label: a variant equal to a plain method is measured once
         unique.setdefault(method.label, method)
     return list(unique.values())

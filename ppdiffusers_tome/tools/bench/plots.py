@@ -5,7 +5,7 @@ ratio, the time split (:func:`write_plots`) and speed-up against fidelity with t
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
 
 import numpy as np
 
@@ -26,7 +26,7 @@ def _pyplot() -> Any:
     return plt
 
 
-def _save(plt: Any, fig: Any, ax: Any, path: str, xlabel: Optional[str], ylabel: str) -> str:
+def _save(plt: Any, fig: Any, ax: Any, path: str, xlabel: str | None, ylabel: str) -> str:
     if xlabel:
         ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
@@ -38,7 +38,7 @@ def _save(plt: Any, fig: Any, ax: Any, path: str, xlabel: Optional[str], ylabel:
     return path
 
 
-def _speedup_plot(plt: Any, ok: List[Cell], folder: str) -> str:
+def _speedup_plot(plt: Any, ok: list[Cell], folder: str) -> str:
     fig, ax = plt.subplots(figsize=(5, 3.5))
     for size, batch in sorted({(c.resolution, c.batch) for c in ok}):
         for name in ("tome", "builtin", "bound"):
@@ -52,7 +52,7 @@ def _speedup_plot(plt: Any, ok: List[Cell], folder: str) -> str:
     return _save(plt, fig, ax, os.path.join(folder, "speedup_vs_ratio.png"), "ratio", "speed-up vs vanilla")
 
 
-def _memory_plot(plt: Any, ok: List[Cell], folder: str) -> str:
+def _memory_plot(plt: Any, ok: list[Cell], folder: str) -> str:
     """Memory against resolution, one line per method; with one resolution, against ratio (vanilla is ratio 0
     of each method's line)."""
     fig, ax = plt.subplots(figsize=(5, 3.5))
@@ -74,7 +74,7 @@ def _memory_plot(plt: Any, ok: List[Cell], folder: str) -> str:
     return _save(plt, fig, ax, os.path.join(folder, "memory_vs_ratio.png"), f"ratio ({size}px)", ylabel)
 
 
-def _time_split_plot(plt: Any, split: Dict[str, Dict[str, float]], folder: str) -> str:
+def _time_split_plot(plt: Any, split: dict[str, dict[str, float]], folder: str) -> str:
     fig, ax = plt.subplots(figsize=(5, 3.5))
     names = list(split)
     bottom = np.zeros(len(names))
@@ -85,7 +85,7 @@ def _time_split_plot(plt: Any, split: Dict[str, Dict[str, float]], folder: str) 
     return _save(plt, fig, ax, os.path.join(folder, "time_split.png"), None, "seconds per UNet forward")
 
 
-def write_plots(cells: List[Cell], split: Dict[str, Dict[str, float]], folder: str) -> List[str]:
+def write_plots(cells: list[Cell], split: dict[str, dict[str, float]], folder: str) -> list[str]:
     """Speed-up vs ratio per resolution, peak memory vs resolution (vs ratio when there is one resolution), the
     Pareto plots when there are more than two configurations, and the time split; returns the PNG paths."""
     plt = _pyplot()
@@ -98,25 +98,25 @@ def write_plots(cells: List[Cell], split: Dict[str, Dict[str, float]], folder: s
     return paths
 
 
-def _pareto_groups(cells: List[Cell]) -> Dict[Tuple[int, int], List[Cell]]:
+def _pareto_groups(cells: list[Cell]) -> dict[tuple[int, int], list[Cell]]:
     """The points of each Pareto plot: every measured configuration but the bound and vanilla's twins."""
-    groups: Dict[Tuple[int, int], List[Cell]] = {}
+    groups: dict[tuple[int, int], list[Cell]] = {}
     for cell in cells:
         if cell.status == "ok" and cell.speedup is not None and cell.method != "bound" and not merges_nothing(cell):
             groups.setdefault((cell.resolution, cell.batch), []).append(cell)
     return groups
 
 
-def _twins(cells: List[Cell], size: int, batch: int) -> List[str]:
+def _twins(cells: list[Cell], size: int, batch: int) -> list[str]:
     return [c.label for c in cells if (c.resolution, c.batch) == (size, batch) and merges_nothing(c)]
 
 
-def write_pareto_plot(cells: List[Cell], folder: str) -> List[str]:
+def write_pareto_plot(cells: list[Cell], folder: str) -> list[str]:
     """Speed-up against fidelity (PSNR when the cells have images, else relative L2), one point per
     configuration and one file per resolution x batch, the Pareto front joined by a line; a configuration that
     merged nothing is named beside vanilla instead of drawn at its timing; returns the paths."""
     plt = _pyplot()
-    paths: List[str] = []
+    paths: list[str] = []
     for (size, batch), group in _pareto_groups(cells).items():
         use_psnr = all(c.psnr_db is not None for c in group)
         finite = [c.psnr_db for c in group if use_psnr and c.psnr_db != float("inf")]

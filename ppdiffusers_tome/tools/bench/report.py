@@ -7,13 +7,13 @@ from __future__ import annotations
 import json
 import math
 import statistics
+from collections.abc import Sequence
 from dataclasses import asdict
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any
 
 from ..measure import environment, render_table
 from .methods import BenchSettings, Method
 from .runner import Cell
-
 
 INF = float("inf")
 TWIN = "= vanilla"  # how a configuration that merged nothing shows its speed-up
@@ -46,7 +46,7 @@ def single_run(cell: Cell) -> bool:
     return len(cell.runs_seconds) == 1
 
 
-def effective_speedup(cell: Cell) -> Optional[float]:
+def effective_speedup(cell: Cell) -> float | None:
     """The speed-up to report: 1.0 for vanilla's twin (see :func:`merges_nothing`), else the measured one."""
     if cell.speedup is None:
         return None
@@ -87,7 +87,7 @@ def single_run_text(what: str, default_hint: str = "or more") -> str:
             "before quoting a speed-up.")
 
 
-def _grid_entry(cell: Optional[Cell]) -> str:
+def _grid_entry(cell: Cell | None) -> str:
     if cell is None:
         return "-"
     if cell.status != "ok":
@@ -100,12 +100,12 @@ def _grid_entry(cell: Optional[Cell]) -> str:
     return f"{cell.seconds_per_image:.2f} s ({gain:+.1f}%{', 1 run' if single_run(cell) else ''})"
 
 
-def format_grid_table(cells: List[Cell], methods: List[Method]) -> str:
+def format_grid_table(cells: list[Cell], methods: list[Method]) -> str:
     """The layout of the published ToMe tables: one row per resolution x batch, one column per method, each cell
     the seconds per image and the gain over vanilla."""
     labels = [m.label for m in methods]
     rows = [["resolution", "batch"] + labels]
-    by_key: Dict[Tuple[int, int], Dict[str, Cell]] = {}
+    by_key: dict[tuple[int, int], dict[str, Cell]] = {}
     for cell in cells:
         by_key.setdefault((cell.resolution, cell.batch), {})[cell.label] = cell
     for (size, batch), row_cells in by_key.items():
@@ -117,7 +117,7 @@ def _fmt(value: Any, pattern: str) -> str:
     return "-" if value is None else pattern.format(value)
 
 
-def format_details(cells: List[Cell]) -> str:
+def format_details(cells: list[Cell]) -> str:
     """Every number of every cell, one row per cell."""
     header = ["resolution", "batch", "method", "status", "s/image", "UNet s", "speed-up", "added MiB", "PSNR", "rel L2",
               "of bound", "reused", "ops/block"]
@@ -139,7 +139,7 @@ def _fidelity(c: Cell) -> float:
     return -c.rel_l2 if c.rel_l2 is not None else float("-inf")
 
 
-def pareto_front(cells: List[Cell]) -> List[Cell]:
+def pareto_front(cells: list[Cell]) -> list[Cell]:
     """The cells (of one resolution and batch) that no other cell beats on both speed-up and fidelity: PSNR of
     the image when there is one, else the relative L2 of the first noise prediction. The ``bound`` (a speed
     reference that ruins images) takes no part, nor does a configuration that merged nothing
@@ -159,13 +159,13 @@ def pareto_front(cells: List[Cell]) -> List[Cell]:
     return front
 
 
-def format_pareto(cells: List[Cell]) -> str:
+def format_pareto(cells: list[Cell]) -> str:
     """One row per configuration, fastest first, with its fidelity to vanilla and whether it is on the Pareto
     front of speed-up vs fidelity (for its resolution and batch). A configuration that merged nothing shows
     ``= vanilla`` for its speed-up and its place on the front (it ranks with vanilla)."""
     header = ["resolution", "batch", "method", "speed-up", "PSNR dB", "rel L2", "reused", "Pareto"]
     rows = [header]
-    groups: Dict[Tuple[int, int], List[Cell]] = {}
+    groups: dict[tuple[int, int], list[Cell]] = {}
     for cell in cells:
         groups.setdefault((cell.resolution, cell.batch), []).append(cell)
     for (size, batch), group in groups.items():
@@ -184,7 +184,7 @@ def format_pareto(cells: List[Cell]) -> str:
 
 
 # noise -------------------------------------------------------------------------------------------------------------
-def unstable(named_runs: Sequence[Tuple[str, Sequence[float]]], tolerance: float = 0.25) -> List[str]:
+def unstable(named_runs: Sequence[tuple[str, Sequence[float]]], tolerance: float = 0.25) -> list[str]:
     """The entries of ``(name, timed runs in seconds)`` whose runs spread by more than ``tolerance`` of their
     median (``(max - min) / median``), as ``"vanilla 1.00-4.00 s"``.
 
@@ -199,7 +199,7 @@ def unstable(named_runs: Sequence[Tuple[str, Sequence[float]]], tolerance: float
     return found
 
 
-def speedup_range(vanilla_runs: Sequence[float], runs: Sequence[float]) -> Tuple[float, float]:
+def speedup_range(vanilla_runs: Sequence[float], runs: Sequence[float]) -> tuple[float, float]:
     """The lowest and highest speed-up that pairs of single runs give: ``min(vanilla_runs) / max(runs)`` (fastest
     vanilla run against the slowest one) to ``max(vanilla_runs) / min(runs)``.
 
@@ -209,8 +209,8 @@ def speedup_range(vanilla_runs: Sequence[float], runs: Sequence[float]) -> Tuple
     return min(vanilla_runs) / max(runs), max(vanilla_runs) / min(runs)
 
 
-def spread_warning(named_runs: Sequence[Tuple[str, Sequence[float]]], tolerance: float = 0.25, where: str = "",
-                   ranged: Optional[Sequence[str]] = None) -> Optional[str]:
+def spread_warning(named_runs: Sequence[tuple[str, Sequence[float]]], tolerance: float = 0.25, where: str = "",
+                   ranged: Sequence[str] | None = None) -> str | None:
     """A warning when the timed runs of ``named_runs`` (vanilla first) varied by more than ``tolerance`` (see
     :func:`unstable`): the range each speed-up could take judged by single runs (for the names in ``ranged``;
     default every entry after vanilla), and whether that range includes 1.00x (then the speed-up is not
@@ -236,11 +236,11 @@ def spread_warning(named_runs: Sequence[Tuple[str, Sequence[float]]], tolerance:
     return text + " Run again on an idle machine, or with more --repeats."
 
 
-def noise_warnings(cells: List[Cell], tolerance: float = 0.25) -> List[str]:
+def noise_warnings(cells: list[Cell], tolerance: float = 0.25) -> list[str]:
     """:func:`spread_warning` for every resolution x batch of a ``bench`` run whose timed runs were noisy, as the
     demo warns: the ``bound`` and configurations that merged nothing count for the spread but get no speed-up
     range (the first is a reference, the second is vanilla)."""
-    groups: Dict[Tuple[int, int], List[Cell]] = {}
+    groups: dict[tuple[int, int], list[Cell]] = {}
     for cell in cells:
         if cell.status == "ok" and cell.runs_seconds:
             groups.setdefault((cell.resolution, cell.batch), []).append(cell)
@@ -257,14 +257,14 @@ def noise_warnings(cells: List[Cell], tolerance: float = 0.25) -> List[str]:
     return warnings
 
 
-def single_run_note(cells: List[Cell]) -> Optional[str]:
+def single_run_note(cells: list[Cell]) -> str | None:
     """A note when speed-ups come from a single timed run per configuration (``--repeats 1``), else ``None``."""
     if not any(c.status == "ok" and c.method != "vanilla" and single_run(c) for c in cells):
         return None
     return single_run_text("configuration")
 
 
-def format_time_split(split: Dict[str, Dict[str, float]]) -> str:
+def format_time_split(split: dict[str, dict[str, float]]) -> str:
     """The time split of one UNet forward per configuration, on one line.
 
     >>> format_time_split({"tome@0.5": {"attention": 0.5, "matching": 0.125, "rest": 1.0}})
@@ -276,8 +276,8 @@ def format_time_split(split: Dict[str, Dict[str, float]]) -> str:
     )
 
 
-def record(cells: List[Cell], settings: BenchSettings, source: str, threads: int, dtype: str,
-           split: Dict[str, Dict[str, float]]) -> Dict[str, Any]:
+def record(cells: list[Cell], settings: BenchSettings, source: str, threads: int, dtype: str,
+           split: dict[str, dict[str, float]]) -> dict[str, Any]:
     """The ``results.json`` record of a ``bench`` run (before its ``plots`` entry)."""
     return {
         "command": "bench",
@@ -303,13 +303,13 @@ def _json_safe(value: Any) -> Any:
     return value
 
 
-def save_json(data: Dict[str, Any], path: str) -> None:
+def save_json(data: dict[str, Any], path: str) -> None:
     """Write ``data`` as strict JSON: infinities and NaN become the strings ``"inf"``, ``"-inf"``, ``"nan"``."""
     with open(path, "w", encoding="utf-8") as f:
         json.dump(_json_safe(data), f, indent=2)
 
 
-def load_cells(data: Dict[str, Any]) -> List[Cell]:
+def load_cells(data: dict[str, Any]) -> list[Cell]:
     """The cells of a ``results.json`` written by :func:`save_json`, as :class:`Cell` objects again (e.g. to
     draw :func:`~ppdiffusers_tome.tools.bench.write_pareto_plot` again from a finished run)."""
     fields = set(Cell.__dataclass_fields__)

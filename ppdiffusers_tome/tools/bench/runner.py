@@ -8,15 +8,16 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Dict, List, Optional, Tuple
+from typing import Any, ContextManager
 
 import numpy as np
 import paddle
 
 from ... import api
-from ..measure import ForwardTimer, OpCount, count_forward_ops, median, psnr, relative_l2
 from ...patch import find_blocks
+from ..measure import ForwardTimer, OpCount, count_forward_ops, median, psnr, relative_l2
 from .devices import Device, default_device, is_out_of_memory
 from .inputs import DenoiserInputs, pipeline_kwargs
 from .methods import BenchSettings, Method, NotSupported, configure, method_list
@@ -33,28 +34,28 @@ class Cell:
     method: str
     ratio: float
     label: str = ""
-    options: Dict[str, Any] = field(default_factory=dict)
+    options: dict[str, Any] = field(default_factory=dict)
     status: str = "ok"  # ok | OOM | n/a
     reason: str = ""
-    seconds_per_image: Optional[float] = None
-    unet_seconds: Optional[float] = None
-    speedup: Optional[float] = None
-    peak_memory_bytes: Optional[int] = None
-    added_memory_bytes: Optional[int] = None
+    seconds_per_image: float | None = None
+    unet_seconds: float | None = None
+    speedup: float | None = None
+    peak_memory_bytes: int | None = None
+    added_memory_bytes: int | None = None
     memory_kind: str = ""
-    psnr_db: Optional[float] = None
-    rel_l2: Optional[float] = None
-    fraction_of_bound: Optional[float] = None
-    plans_reused_share: Optional[float] = None  # of the merge plans in one call, the share taken from the cache
-    runs_seconds: List[float] = field(default_factory=list)
-    ops: Optional[int] = None  # eager operators of one denoiser forward (counted once, outside the timed runs)
-    merging_blocks: Optional[int] = None  # transformer blocks that ran on fewer tokens in that forward
-    ops_per_block: Optional[float] = None  # (ops - vanilla's ops) / merging_blocks
+    psnr_db: float | None = None
+    rel_l2: float | None = None
+    fraction_of_bound: float | None = None
+    plans_reused_share: float | None = None  # of the merge plans in one call, the share taken from the cache
+    runs_seconds: list[float] = field(default_factory=list)
+    ops: int | None = None  # eager operators of one denoiser forward (counted once, outside the timed runs)
+    merging_blocks: int | None = None  # transformer blocks that ran on fewer tokens in that forward
+    ops_per_block: float | None = None  # (ops - vanilla's ops) / merging_blocks
     attention: str = ""  # attention processor the cell ran with
     # sub-layer calls of the last timed run that ran on merged (or, with ToDo, downsampled) tokens; 0: the
     # configuration merged nothing, so it computed exactly what vanilla computes; None: not counted (vanilla, or a
     # method that is not this package's patch, such as ppdiffusers' built-in port)
-    merges: Optional[int] = None
+    merges: int | None = None
 
 
 @dataclass
@@ -63,10 +64,10 @@ class RunOutputs:
     first forward of a run left out: it pays one-off set-up), the memory window with the highest peak, and the
     first noise prediction and decoded images (``None`` with ``unet_only``) of the last run."""
 
-    forward_seconds: List[List[float]] = field(default_factory=list)
+    forward_seconds: list[list[float]] = field(default_factory=list)
     memory: Any = None
-    noise: Optional[np.ndarray] = None
-    images: Optional[np.ndarray] = None
+    noise: np.ndarray | None = None
+    images: np.ndarray | None = None
 
 
 def attention_processor(pipe) -> str:
@@ -87,21 +88,21 @@ class Runner:
     context manager entered around every run (``repeat`` counts from 0, warm-up runs first), e.g. the demo's bar
     of denoising steps. After :meth:`run_cell`, :attr:`outputs` holds each method's :class:`RunOutputs`."""
 
-    def __init__(self, pipe, settings: BenchSettings, progress: Optional[Callable[[], None]] = None,
-                 device: Optional[Device] = None,
-                 around_run: Optional[Callable[[Method, int], ContextManager[Any]]] = None):
+    def __init__(self, pipe, settings: BenchSettings, progress: Callable[[], None] | None = None,
+                 device: Device | None = None,
+                 around_run: Callable[[Method, int], ContextManager[Any]] | None = None):
         self.pipe = pipe
         self.settings = settings
         self.progress = progress or (lambda: None)
         self.device = device if device is not None else default_device()
         self.around_run = around_run or (lambda method, repeat: contextlib.nullcontext())
-        self.outputs: Dict[str, RunOutputs] = {}
-        self._inputs_key: Optional[Tuple[int, int]] = None
-        self._inputs_cache: Optional[DenoiserInputs] = None
+        self.outputs: dict[str, RunOutputs] = {}
+        self._inputs_key: tuple[int, int] | None = None
+        self._inputs_cache: DenoiserInputs | None = None
 
-    def _measure_once(self, size: int, batch: int) -> Dict[str, Any]:
+    def _measure_once(self, size: int, batch: int) -> dict[str, Any]:
         pipe, s, device = self.pipe, self.settings, self.device
-        first_output: List[paddle.Tensor] = []
+        first_output: list[paddle.Tensor] = []
 
         def capture(layer, args, output):
             if not first_output:  # a device copy now, read back to the host after the timed window
@@ -154,7 +155,7 @@ class Runner:
 
         return count_forward_ops(run, models, warmup=0)
 
-    def _plan_counts(self) -> Tuple[int, int, Optional[int]]:
+    def _plan_counts(self) -> tuple[int, int, int | None]:
         """Plans computed and reused, and sub-layer merges (``None`` when no model carries this package's patch)."""
         stats = list(api.tome_stats(self.pipe).values())
         merges = sum(v["merges"] for v in stats) if stats else None
@@ -166,7 +167,7 @@ class Runner:
             self._inputs_cache, self._inputs_key = DenoiserInputs(self.pipe, size, batch, self.settings.seed), key
         return self._inputs_cache
 
-    def run_cell(self, size: int, batch: int, methods: List[Method]) -> List[Cell]:
+    def run_cell(self, size: int, batch: int, methods: list[Method]) -> list[Cell]:
         """Measure ``methods`` at ``size`` px with ``batch`` images per call: ``warmup`` then ``repeats`` runs of
         each, interleaved (drift on a shared machine hits every method alike). Out of memory ends a method's runs
         with status ``OOM``, a missing kernel with ``n/a``; any other error propagates."""
@@ -191,7 +192,7 @@ class Runner:
                 result = self._measure_once(size, batch)
         except NotSupported as error:
             cell.status, cell.reason = "n/a", str(error)
-        except Exception as error:  # noqa: BLE001 - only out-of-memory is absorbed
+        except Exception as error:
             if not is_out_of_memory(error):
                 raise
             cell.status, cell.reason = "OOM", str(error).splitlines()[0][:200] if str(error) else "MemoryError"
@@ -207,7 +208,7 @@ class Runner:
         finally:
             api.remove_tome(self.pipe)
 
-    def _keep(self, cell: Cell, result: Dict[str, Any]) -> None:
+    def _keep(self, cell: Cell, result: dict[str, Any]) -> None:
         cell.runs_seconds.append(result["seconds"])
         cell.plans_reused_share = result["reused_share"]
         cell.merges = result["merges"]
@@ -220,14 +221,14 @@ class Runner:
     def _count_cell_ops(self, cell: Cell, size: int, batch: int) -> None:
         try:
             counted = self._count_ops(size, batch)
-        except Exception as error:  # noqa: BLE001 - out of memory leaves the column empty; the timing stands
+        except Exception as error:
             if not is_out_of_memory(error):
                 raise
             logger.warning("%s at %dpx batch %d: out of memory while counting operators", cell.label, size, batch)
             return
         cell.ops, cell.merging_blocks = counted.total, counted.merging_blocks
 
-    def _finish(self, cells: Dict[str, Cell], batch: int) -> None:
+    def _finish(self, cells: dict[str, Cell], batch: int) -> None:
         vanilla = cells.get("vanilla")
         ref = self.outputs.get("vanilla")
         for label, cell in cells.items():
@@ -254,13 +255,13 @@ class Runner:
                     cell.fraction_of_bound = median(bound.runs_seconds) / median(cell.runs_seconds)
 
 
-def run_grid(pipe, settings: BenchSettings, progress: Optional[Callable[[], None]] = None,
-             device: Optional[Device] = None) -> List[Cell]:
+def run_grid(pipe, settings: BenchSettings, progress: Callable[[], None] | None = None,
+             device: Device | None = None) -> list[Cell]:
     """Measure every resolution x batch x method cell of ``settings`` on ``pipe`` (``device``: see
     :func:`~ppdiffusers_tome.tools.bench.select_device`; default Paddle's current device)."""
     methods = method_list(settings)
     runner = Runner(pipe, settings, progress, device)
-    cells: List[Cell] = []
+    cells: list[Cell] = []
     for size in settings.resolutions:
         for batch in settings.batch_sizes:
             cells.extend(runner.run_cell(size, batch, methods))

@@ -4,7 +4,8 @@ rest (:func:`time_split`), timed with forward hooks around every self-attention 
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Dict, List, Optional
+from collections.abc import Callable
+from typing import Any
 
 import paddle
 from ppdiffusers.patches import tomesd_patch_utils
@@ -27,10 +28,10 @@ class SplitClock:
         self.sync = sync
         self.attention = 0.0
         self.matching = 0.0
-        self.handles: List[Any] = []
-        self._outer_start: Dict[int, float] = {}
-        self._inner_start: Dict[int, float] = {}
-        self._inner_seconds: Dict[int, float] = {}
+        self.handles: list[Any] = []
+        self._outer_start: dict[int, float] = {}
+        self._inner_start: dict[int, float] = {}
+        self._inner_seconds: dict[int, float] = {}
 
     def now(self) -> float:
         """The clock, once the device has finished its queued work."""
@@ -93,13 +94,13 @@ def _time_builtin_matching(clock: SplitClock) -> Callable[[], None]:
 
 
 def time_split(pipe, settings: BenchSettings, size: int, batch: int, method: Method,
-               device: Optional[Device] = None) -> Dict[str, float]:
+               device: Device | None = None) -> dict[str, float]:
     """Seconds of one denoiser forward (after one warm-up forward) spent in self-attention, in ToMe's matching
     (plans, merges, unmerges) and in the rest, for ``method`` at ``size``/``batch``. ``rest`` is what remains of
     the whole forward; the three add up to ``total``."""
     clock = SplitClock((device if device is not None else default_device()).synchronize)
-    patches: List[ModelPatch] = []
-    restore_builtin: Optional[Callable[[], None]] = None
+    patches: list[ModelPatch] = []
+    restore_builtin: Callable[[], None] | None = None
     try:
         configure(pipe, method, settings.max_downsample)
         models = [model for _, model in api.tome_models(pipe)]
