@@ -27,7 +27,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 import numpy as np
 import paddle
@@ -40,7 +40,6 @@ from ppdiffusers_tome.tools.measure import (  # noqa: E402
     count_forward_ops, environment, median, ops_added_per_block, psnr, relative_l2, render_table, set_threads,
 )
 from ppdiffusers_tome.presets import preset_pipeline  # noqa: E402
-from ppdiffusers_tome.patch import get_patch  # noqa: E402
 from ppdiffusers_tome.testing import gpu_kernels  # noqa: E402
 
 CONFIGS: Dict[str, Any] = {
@@ -69,15 +68,10 @@ def unet_inputs(unet, resolution: int, vae_scale: int, seed: int):
 
 
 def apply(pipe, options) -> None:
-    """Put ``options`` on the UNet at ratio 0.5 (``None``: vanilla). The key ``_squarings``, not an option of
-    ``apply_tome``, sets the feature-order power iterations of the UNet's planner (``benchmarks/axis_iterations.py``)."""
+    """Put ``options`` on the UNet at ratio 0.5 (``None``: vanilla)."""
     ppdiffusers_tome.remove_tome(pipe.unet)
     if options is not None:
-        options = dict(options)
-        squarings = options.pop("_squarings", None)
         ppdiffusers_tome.apply_tome(pipe.unet, ratio=0.5, **options)
-        if squarings is not None:
-            get_patch(pipe.unet).planner.squarings = squarings
 
 
 def decoded_x0(pipe, sample, eps) -> np.ndarray:
@@ -209,9 +203,8 @@ def peak_of(name: str) -> Any:
     return "global" if plan == "tome" else plan
 
 
-def main(argv=None, extra_configs: Optional[Dict[str, Any]] = None) -> None:
-    """Run the comparison; ``extra_configs`` adds configurations to :data:`CONFIGS` for this run."""
-    known = {**CONFIGS, **(extra_configs or {})}
+def main(argv=None) -> None:
+    known = CONFIGS
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--presets", nargs="+", default=["sd15-narrow"])
     parser.add_argument("--resolutions", type=int, nargs="+", default=[512])

@@ -9,7 +9,7 @@ The code lives in :mod:`ppdiffusers_tome.ops`, one job per module; import from h
 
 from .ops.cache import DEFAULT_CACHE_BYTES, cache_info, clear_cache
 from .ops.downsample import DOWNSAMPLE_MODES, DownsamplePlan, downsample_tokens
-from .ops.feature_order import MAX_FEATURE_LEVELS, feature_levels
+from .ops.feature_order import feature_partition_table
 from .ops.global_plan import GroupMergePlan, MergePlan, bipartite_soft_matching_random2d
 from .ops.local_plan import DenseFeaturePlan, DenseLocalPlan, LocalMergePlan
 from .ops.partition import find_downsample, grid_partition, max_ratio, partition_table, step_key
@@ -20,7 +20,6 @@ from .ops.windows import window_partition_table, window_sides
 __all__ = [
     "DEFAULT_CACHE_BYTES",
     "DOWNSAMPLE_MODES",
-    "MAX_FEATURE_LEVELS",
     "DenseFeaturePlan",
     "DenseLocalPlan",
     "DownsamplePlan",
@@ -34,7 +33,7 @@ __all__ = [
     "converting",
     "device_kind",
     "downsample_tokens",
-    "feature_levels",
+    "feature_partition_table",
     "find_downsample",
     "force_kernels",
     "grid_partition",

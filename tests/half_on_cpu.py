@@ -19,7 +19,8 @@ HALF = ("float16", "bfloat16")
 _FUNCTIONS = [
     (paddle, "matmul"), (paddle, "sum"), (paddle, "square"), (paddle, "rsqrt"), (paddle, "where_"),
     (paddle, "gather"), (paddle, "isfinite"), (paddle.linalg, "norm"), (paddle.nn.functional, "pad"),
-    (paddle, "reciprocal"), (paddle, "scale"), (paddle, "gather_nd"),
+    (paddle, "reciprocal"), (paddle, "scale"), (paddle, "gather_nd"), (paddle, "take_along_axis"),
+    (paddle, "fmax"), (paddle, "mean"),
 ]
 _METHODS = ["__truediv__", "multiply_", "divide_", "max", "argmax", "__mul__", "__sub__"]
 _IN_PLACE = {"where_": 1, "multiply_": 0, "divide_": 0}  # which argument an in-place op updates

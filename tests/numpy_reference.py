@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Tuple
 
 import numpy as np
 
@@ -150,82 +151,46 @@ def reference_local(metric: np.ndarray, x: np.ndarray, h: int, w: int, wy: int, 
     return np.stack(merged), round_trip, min(margins)
 
 
-def reference_feature_levels(windows: int, max_levels: int = 4) -> list:
-    """Parts per level of feature order's cut: the prime factors of ``windows``, smallest first, the two smallest
-    multiplied together while there are more than ``max_levels``."""
-    factors = [p for p in range(2, windows + 1) for _ in range(_multiplicity(windows, p))]
-    while len(factors) > max_levels:
-        factors = sorted([factors[0] * factors[1]] + factors[2:])
-    return factors
-
-
-def _multiplicity(n: int, p: int) -> int:
-    """How often the prime ``p`` divides ``n`` (0 for a ``p`` that is not prime)."""
-    if any(p % q == 0 for q in range(2, math.isqrt(p) + 1)):
-        return 0
-    count = 0
-    while n % p == 0:
-        n //= p
-        count += 1
-    return count
-
-
-def reference_principal_axes(unit: np.ndarray, count: int) -> np.ndarray:
-    """``[count, C]``: the package's deflated power iteration in float64: for each axis, the second moment of the
-    unit rows projected off their mean direction and the axes found so far, scaled to Frobenius norm 1, raised to
-    the 16th power and applied to the same seeded start vector (which the package scales: no change of
-    direction)."""
-    channels = unit.shape[1]
-    along = unit.mean(axis=0)
-    found = [along / np.linalg.norm(along)]
-    moment = unit.T @ unit / len(unit)
-    start = np.random.default_rng(channels).standard_normal((1, count, channels)).astype(np.float32)[0]
-    for index in range(count):
-        project = np.eye(channels) - sum(np.outer(v, v) for v in found)
-        power = project @ moment @ project
-        axis = start[index].astype(np.float64) @ np.linalg.matrix_power(power / np.linalg.norm(power), 16)
-        found.append(axis / np.linalg.norm(axis))
-    return np.array(found[1:])
+def reference_clusters(metric: np.ndarray, h: int, w: int, wy: int, wx: int) -> Tuple[np.ndarray, float]:
+    """Feature order's cluster keys of one item, float64: the centroids are the mean tokens of tiles (the windows,
+    halved on both sides while both are even and there are at most 64 tiles), every token joins the centroid with the largest dot product over the
+    centroid's length, and its key is the place of that centroid when they are sorted by their cosine with the mean
+    token. Returns the keys ``[N]`` and the smallest gap deciding a choice (for tie-free inputs)."""
+    ty, tx = wy, wx
+    while ty % 2 == 0 and tx % 2 == 0 and (h // (ty // 2)) * (w // (tx // 2)) <= 64:
+        ty, tx = ty // 2, tx // 2
+    means = np.array([metric[cells].mean(axis=0) for cells in reference_windows(h, w, ty, tx)])
+    centroids = means / np.linalg.norm(means, axis=-1, keepdims=True)
+    along = centroids @ means.mean(axis=0)
+    place = np.argsort(np.argsort(along, kind="stable"), kind="stable")
+    scores = metric @ centroids.T
+    top = np.sort(scores, axis=-1)
+    gaps = [float((top[:, -1] - top[:, -2]).min()) if scores.shape[1] > 1 else math.inf]
+    gaps.append(float(np.diff(np.sort(along)).min()) if len(along) > 1 else math.inf)
+    return place[scores.argmax(axis=-1)], min(gaps)
 
 
 def reference_local_feature(metric: np.ndarray, x: np.ndarray, h: int, w: int, wy: int, wx: int, partition: np.ndarray,
                             num_src: int, r_w: int):
-    """Local matching in feature order, float64 and plain loops: the src of all windows of ``partition`` (and,
-    separately, the dst) are cut like the cells of a k-d tree (:func:`reference_feature_levels` parts per level):
-    sorted by their cosine with the item's mean unit token (stable: ties keep window order) and cut into equal
-    parts, each part sorted by the projection on the next principal axis of the unit tokens orthogonal to the mean
-    (:func:`reference_principal_axes`) and cut again, and so on; run ``k`` of the src is matched with run ``k`` of
-    the dst as :func:`reference_local` matches a window. Returns ``(round_trip, margin)``; the margin also covers
-    the keys next to every cut."""
+    """Local matching in feature order, float64 and plain loops: the src of all windows of ``partition`` (window by
+    window, in partition order) are sorted by their cluster key (:func:`reference_clusters`), stably, and cut into
+    equal runs, and so are the dst; run ``k`` of the src is matched with run ``k`` of the dst as
+    :func:`reference_local` matches a window. Returns ``(round_trip, margin)``; the margin also covers the cluster
+    choices and their order."""
     metric, x = metric.astype(np.float64), x.astype(np.float64)
     windows = reference_windows(h, w, wy, wx)
     count = len(windows)
-    levels = reference_feature_levels(count)
     src_all = [windows[k][i] for k in range(count) for i in partition[k][:num_src]]
     dst_all = [windows[k][i] for k in range(count) for i in partition[k][num_src:]]
     ns_w, nd_w = num_src, len(partition[0]) - num_src
     round_trip, margins = np.zeros_like(x), [math.inf]
     for b in range(x.shape[0]):
         unit = metric[b] / np.maximum(np.linalg.norm(metric[b], axis=-1, keepdims=True), 1e-300)
-        mean = unit.mean(axis=0)
-        keys = [unit @ mean]
-        if len(levels) > 1:
-            keys += [unit @ axis for axis in reference_principal_axes(unit, len(levels) - 1)]
+        clusters, gap = reference_clusters(metric[b], h, w, wy, wx)
+        margins.append(gap)
         runs = []
         for tokens, size in ((src_all, ns_w), (dst_all, nd_w)):
-            cells = [list(tokens)]
-            for level, parts in enumerate(levels or [1]):
-                cut_cells = []
-                for cell in cells:
-                    cell_keys = keys[level][cell]
-                    order = np.argsort(cell_keys, kind="stable")
-                    ranked, sorted_keys = [cell[i] for i in order], cell_keys[order]
-                    part = len(cell) // parts
-                    for cut in range(part, len(cell), part):
-                        margins.append(float(sorted_keys[cut] - sorted_keys[cut - 1]))
-                    cut_cells.extend(ranked[i * part:(i + 1) * part] for i in range(parts))
-                cells = cut_cells
-            ordered = [token for cell in cells for token in cell]
+            ordered = [tokens[i] for i in np.argsort(clusters[tokens], kind="stable")]
             runs.append([ordered[k * size:(k + 1) * size] for k in range(count)])
         for src, dst in zip(*runs):
             _merge_window(unit, x[b], src, dst, r_w, round_trip[b], margins)

@@ -1,16 +1,15 @@
-"""Feature order (match_order="feature"): windows cut along the tokens' features like the cells of a k-d tree,\nagainst a numpy reference; its levels, principal axes, operator budget and robustness."""
+"""Feature order (match_order="feature"): windows cut along the tokens' features (one step of spherical k-means from
+tiles of the grid, clusters ordered along the mean token), against a numpy reference; its operator budget, what it
+gathers into one window, and robustness."""
 
 import numpy as np
 import paddle
 import pytest
 
-import ppdiffusers_tome.merge as merge_module
-from ppdiffusers_tome.merge import LocalMergePlan, step_key, window_partition_table
-from ppdiffusers_tome.ops import feature_order
+from ppdiffusers_tome.merge import LocalMergePlan, feature_partition_table, step_key, window_partition_table
 from ppdiffusers_tome.tools.measure import count_ops
 from tests.cases import LOCAL_CASES, case_partition, tie_free_local
 from tests.numpy_reference import (
-    reference_feature_levels,
     reference_local_feature,
     reference_windows,
     sort_rows,
@@ -39,69 +38,40 @@ def test_feature_order_plan_matches_the_numpy_reference(kind, batch, h, w, windo
     np.testing.assert_allclose(sort_rows(merged.numpy().round(5)), distinct, atol=2e-5)
 
 
-def test_feature_levels_are_the_window_counts_prime_factors_in_at_most_four_levels():
-    for windows in range(1, 300):
-        levels = merge_module.feature_levels(windows)
-        assert levels == reference_feature_levels(windows) and levels == sorted(levels)
-        assert int(np.prod(levels)) == windows and len(levels) <= merge_module.MAX_FEATURE_LEVELS
+@pytest.mark.parametrize("batch", [1, 2])
+def test_a_feature_plan_costs_at_most_60_ops_at_16_windows(batch):
+    # a grid plan is 35 ops; feature order adds the clusters (two small products, an argmax, two tiny sorts), one
+    # sort of the tokens and the two gather_nd tables of its layout
+    x = paddle.randn([batch, 64 * 64, 32])
+    tables = {"grid": window_partition_table(64, 64, 16, 16, 2, 2, step_key(3), seed=0, blocks=1),
+              "feature": feature_partition_table(64, 64, 16, 16, 2, 2, step_key(3), seed=0, blocks=1)}
+    for order, budget in (("grid", 36), ("feature", 60)):
+        plan = lambda: LocalMergePlan.from_matching(x, (64, 64, 16, 16, 2, 2), tables[order][0], 128,  # noqa: E731
+                                                    kind="gpu", order=order)
+        assert plan().windows.count == 16  # (tables and constants are built on the first call)
+        counted = count_ops(plan)
+        assert counted.total <= budget, (order, counted.total, counted.by_name)
 
 
-def test_principal_axes_recover_planted_directions_off_the_mean():
-    # unit-ish tokens around a mean direction, spread along three planted orthogonal directions with well separated
-    # strengths: the axes must be those directions, strongest first, orthonormal and orthogonal to the mean
-    rng = np.random.default_rng(2)
-    channels, tokens = 24, 3000
-    basis = np.linalg.qr(rng.standard_normal((channels, 4)))[0].T  # mean direction, then three planted ones
-    spread = rng.standard_normal((2, tokens, 3)) * np.array([1.2, 0.7, 0.35])
-    metric = 2.0 * basis[0] + spread @ basis[1:] + 0.02 * rng.standard_normal((2, tokens, channels))
-    x = paddle.to_tensor(metric.astype(np.float32))
-    rnorm = paddle.to_tensor((1.0 / np.linalg.norm(metric, axis=-1, keepdims=True)).astype(np.float32))
-    unit = metric / np.linalg.norm(metric, axis=-1, keepdims=True)
-    along = unit.mean(axis=1, keepdims=True)
-    along /= np.linalg.norm(along, axis=-1, keepdims=True)
-    axes = feature_order.principal_axes(x, rnorm, paddle.to_tensor(along.astype(np.float32)), 3).numpy()
-    assert axes.shape == (2, 3, channels)
-    for b in range(2):
-        np.testing.assert_allclose(axes[b] @ axes[b].T, np.eye(3), atol=1e-5)
-        assert np.abs(axes[b] @ along[b, 0]).max() < 1e-4
-        # float64 reference: the eigenvectors of the second moment of the unit tokens projected off the mean
-        project = np.eye(channels) - np.outer(along[b, 0], along[b, 0])
-        vectors = np.linalg.eigh(project @ (unit[b].T @ unit[b]) @ project)[1][:, ::-1][:, :3].T
-        assert (np.abs((axes[b] * vectors).sum(axis=1)) > 0.999).all()
-
-
-@pytest.mark.parametrize("channels, tokens", [(320, 4096), (1280, 16384)])
-def test_principal_axes_survive_a_flat_spectrum_at_wide_channels(channels, tokens):
-    # isotropic tokens: the top eigenvalue of the moment is a small fraction of its Frobenius norm (about C**-0.5),
-    # and its 16th power times an unscaled start vector would be a vector whose squared entries fall below float32's
-    # normal range at 1280 channels (the axes came out about 1.1 long); the axes must also capture nearly the top
-    # eigenvalues, which are close together here
-    rng = np.random.default_rng(7)
-    metric = rng.standard_normal((1, tokens, channels)).astype(np.float32)
-    unit = metric / np.linalg.norm(metric, axis=-1, keepdims=True)
-    along = unit.mean(axis=1, keepdims=True)
-    along /= np.linalg.norm(along, axis=-1, keepdims=True)
-    rnorm = 1.0 / np.linalg.norm(metric, axis=-1, keepdims=True)
-    axes = feature_order.principal_axes(*(paddle.to_tensor(a) for a in (metric, rnorm, along)), 3).numpy()[0]
-    np.testing.assert_allclose(axes @ axes.T, np.eye(3), atol=1e-4)
-    project = np.eye(channels) - along[0].T.astype(np.float64) @ along[0]
-    moment = project @ (unit[0].T.astype(np.float64) @ unit[0]) @ project
-    top = np.linalg.eigvalsh(moment)[::-1][:3]
-    captured = np.einsum("ac,cd,ad->a", axes, moment, axes)
-    assert (captured > 0.9 * top).all(), (captured / top)
-
-
-def test_feature_plan_operator_count_stays_within_budget():
-    # a plan in feature order pays one sort per level and a small eigen-problem per axis: measured 117 ops with two
-    # levels (4 windows) and 171 with four (16 windows), against 40 for a grid plan
-    merge_module.clear_cache()
-    for side, budget in ((32, 125), (64, 175)):
-        x = paddle.randn([2, side * side, 32])
-        table = window_partition_table(side, side, 16, 16, 2, 2, step_key(3), seed=0, blocks=1)
-        plan = lambda: LocalMergePlan.from_matching(x, (side, side, 16, 16, 2, 2), table[0], 64, kind="gpu",  # noqa: E731
-                                                    order="feature")
-        plan()  # tables and constants are built on the first call
-        assert count_ops(plan).total <= budget, (side, count_ops(plan).by_name)
+@pytest.mark.parametrize("use_rand", [True, False])
+def test_the_feature_partition_table_lists_the_window_partitions_src_then_dst(use_rand):
+    h, w, wy, wx = 12, 16, 4, 8
+    step = step_key(77) if use_rand else None
+    local = window_partition_table(h, w, wy, wx, 2, 2, step, seed=5, blocks=3).numpy()  # [rows, W, T]
+    ranked = feature_partition_table(h, w, wy, wx, 2, 2, step, seed=5, blocks=3).numpy()  # [rows, N]
+    windows = reference_windows(h, w, wy, wx)  # grid positions of each window's tokens, row-major
+    num_src = wy * wx - (wy // 2) * (wx // 2)
+    for row in range(3):
+        src = [windows[k][i] for k in range(len(windows)) for i in local[row, k, :num_src]]
+        dst = [windows[k][i] for k in range(len(windows)) for i in local[row, k, num_src:]]
+        assert ranked[row].tolist() == src + dst
+    x = paddle.to_tensor(np.random.default_rng(3).standard_normal((2, h * w, 6)).astype("float32"))
+    for kind in ("cpu", "gpu"):  # either form of the partition plans the same merge
+        plans = [LocalMergePlan.from_matching(x, (h, w, wy, wx, 2, 2), table, 5, kind=kind, order="feature")
+                 for table in (paddle.to_tensor(local[1]), paddle.to_tensor(ranked[1]))]
+        outs = [plan.unmerge(plan.merge(x)).numpy() for plan in plans]
+        np.testing.assert_array_equal(outs[0], outs[1])
+        assert not np.allclose(outs[0], x.numpy())
 
 
 def test_feature_order_puts_tokens_of_one_direction_in_one_window_wherever_they_are():

@@ -1,4 +1,5 @@
-"""Local matching (match_window): window sides, the per-window random partition, the plan against a float64 numpy\nreference, the dense GPU form (bit-identical, few operators, half precision kept) and its small temporaries."""
+"""Local matching (match_window): window sides, the per-window random partition, the plan against a float64 numpy
+reference, the dense GPU form (bit-identical, few operators, half precision kept) and its small temporaries."""
 
 import collections
 
@@ -103,33 +104,30 @@ def test_dense_plan_keeps_half_tokens_in_half_precision(half, agreement, order, 
     operands = collections.Counter()
     with half_kernels(monkeypatch):
         wrapped = paddle.matmul
-        small = 2 * 32 * 32  # B*C*C: feature order's second-moment matrix and its powers, kept in float32
 
         def record(a, b, **k):
-            operands.update([(str(a.dtype), str(b.dtype), max(a.size, b.size) <= small)])
+            operands.update([(str(a.dtype), str(b.dtype))])
             return wrapped(a, b, **k)
         monkeypatch.setattr(paddle, "matmul", record)
         plan = LocalMergePlan.from_matching(x_half, (16, 16, 8, 8, 2, 2), table[0], 24, kind="gpu", order=order)
         merged = plan.merge(x_half)
         out = plan.unmerge(merged)
-    # every product over the tokens on half operands: similarity, merge and unmerge; feature order adds the mean
-    # token, the second moment and the keys. Its [B, C, C] moment is projected (3 products), squared
-    # _MOMENT_SQUARINGS times and applied to the start axis in float32 (high powers of values below 1 underflow
-    # float16)
-    tokens = {(f"paddle.{half}", f"paddle.{half}", False): 6 if order == "feature" else 3}
-    small_products = 4 + feature_order.DEFAULT_SQUARINGS
-    assert dict(operands) == ({**tokens, ("paddle.float32", "paddle.float32", True): small_products}
-                              if order == "feature" else tokens)
+    # every product on half operands: similarity, merge and unmerge; feature order adds its two products against
+    # the centroids (the mean token's and every token's)
+    assert dict(operands) == {(f"paddle.{half}", f"paddle.{half}"): 5 if order == "feature" else 3}
     assert merged.dtype == x_half.dtype and out.dtype == x_half.dtype
     reference = LocalMergePlan.from_matching(x_half.astype("float32"), (16, 16, 8, 8, 2, 2), table[0], 24, kind="gpu",
                                              order=order)
     expected = reference.unmerge(reference.merge(x_half.astype("float32"))).numpy()
     tol = 3e-2 if half == "bfloat16" else 4e-3
-    # equal (to half rounding) wherever the half-precision matching decided as float32 did: nearly everywhere (the
-    # sort of feature order adds decisions that half precision can flip: 0.95-1.0 measured in float16)
-    if order == "feature":
-        agreement -= 0.05 if half == "float16" else 0.0
-    assert np.isclose(out.astype("float32").numpy(), expected, rtol=tol, atol=tol).mean() > agreement
+    # equal (to half rounding) wherever the half-precision matching decided as float32 did: nearly everywhere. In
+    # feature order a token whose cluster flips in half precision moves the window cuts after it, so fewer outputs
+    # agree (0.88-1.0 measured over 10 inputs), but the merge loses no more of the tokens than float32's does
+    agreement = agreement if order == "grid" else 0.8
+    produced = out.astype("float32").numpy()
+    assert np.isclose(produced, expected, rtol=tol, atol=tol).mean() > agreement
+    tokens = x_half.astype("float32").numpy()
+    assert np.linalg.norm(produced - tokens) <= 1.02 * np.linalg.norm(expected - tokens)
 
 
 @pytest.mark.parametrize("order", ["grid", "feature"])

@@ -1,4 +1,6 @@
-"""The random 2D-stride partition: one dst per full cell, leftovers src, uniform and independent slots drawn on\nthe device from (seed, block, grid, step, cell), every bit of the seed used, and the level of a token count."""
+"""The random 2D-stride partition: one dst per full cell, leftovers src, uniform and independent slots in the variants
+drawn per grid and seed (every bit of it used), picked per block and step on the device in a few ops, and the level
+of a token count."""
 
 import math
 
@@ -12,7 +14,6 @@ from ppdiffusers_tome.merge import (
     grid_partition,
     max_ratio,
 )
-from ppdiffusers_tome.ops import partition as partition_module
 
 
 def test_random_partition_has_one_dst_per_cell_and_leftovers_are_src():
@@ -76,25 +77,46 @@ def test_find_downsample_for_odd_latent_and_unknown_counts():
     assert find_downsample(64, 64, 77) is None
 
 
-def test_partition_table_draws_each_slot_uniformly_and_independently():
-    # 4 slots per cell; 40 timesteps x 4 blocks x 256 cells = 40960 draws: chi-square with 3 dof, and the
-    # transitions between neighbouring cells (15 dof) must look independent too
-    slots, pairs = np.zeros(4), np.zeros((4, 4))
-    for t in range(0, 1000, 25):
-        table = merge_module.partition_table(32, 32, 2, 2, merge_module.step_key(paddle.to_tensor([t])), 0, 4).numpy()
-        for row in table:
-            dst = np.sort(row[-256:])
-            cell = (dst // 32 // 2) * 16 + (dst % 32) // 2
-            slot = (dst // 32 % 2) * 2 + dst % 2
-            order = np.argsort(cell)
-            assert np.array_equal(cell[order], np.arange(256))  # one dst per cell
-            s = slot[order]
-            slots += np.bincount(s, minlength=4)
-            np.add.at(pairs, (s[:-1], s[1:]), 1)
-    expected = slots.sum() / 4
-    assert ((slots - expected) ** 2 / expected).sum() < 16.3  # p = 0.001 for 3 dof
+def slots_of(table, h=32, w=32):
+    """Every row's dst slot per cell (rows of a partition table on an h x w grid with 2 x 2 cells)."""
+    cells = (h // 2) * (w // 2)
+    found = []
+    for row in table:
+        dst = np.sort(row[-cells:])
+        cell = (dst // w // 2) * (w // 2) + (dst % w) // 2
+        order = np.argsort(cell)
+        assert np.array_equal(cell[order], np.arange(cells))  # one dst per cell
+        found.append(((dst // w % 2) * 2 + dst % 2)[order])
+    return np.array(found)
+
+
+def test_the_variants_draw_each_slot_uniformly_and_independently():
+    # 61 variants x 256 cells = 15616 draws: chi-square with 3 dof, and the transitions between neighbouring cells
+    # (15 dof) must look independent too
+    from ppdiffusers_tome.ops.partition import VARIANTS, grid
+
+    slots = slots_of(grid(32, 32, 2, 2).variants(0).numpy())
+    assert slots.shape == (VARIANTS, 256) and len({tuple(row) for row in slots}) == VARIANTS
+    counts = np.bincount(slots.reshape(-1), minlength=4)
+    expected = counts.sum() / 4
+    assert ((counts - expected) ** 2 / expected).sum() < 16.3  # p = 0.001 for 3 dof
+    pairs = np.zeros((4, 4))
+    for row in slots:
+        np.add.at(pairs, (row[:-1], row[1:]), 1)
     expected_pairs = pairs.sum() / 16
     assert ((pairs - expected_pairs) ** 2 / expected_pairs).sum() < 37.7  # p = 0.001 for 15 dof
+
+
+def test_steps_and_blocks_spread_over_the_variants():
+    from ppdiffusers_tome.ops.partition import VARIANTS, variant_index
+
+    key = merge_module.step_key
+    picks = np.array([variant_index(key(paddle.to_tensor([t])), 0, 16).numpy() for t in range(0, 1000, 50)])
+    assert all(len(set(row)) == 16 for row in picks)  # the 16 blocks of one step: 16 different variants
+    assert len({tuple(column) for column in picks.T}) == 16 and all(len(set(c)) == 20 for c in picks.T)  # 20 steps
+    counts = np.bincount(np.array([variant_index(key(t), 3, 2).numpy() for t in range(1000)]).reshape(-1),
+                         minlength=VARIANTS)
+    assert counts.min() > 0.5 * counts.mean() and counts.max() < 1.5 * counts.mean()  # 1000 steps: all of them
 
 
 def test_partition_table_rows_differ_by_block_timestep_seed_and_grid():
@@ -106,16 +128,21 @@ def test_partition_table_rows_differ_by_block_timestep_seed_and_grid():
     np.testing.assert_array_equal(a, merge_module.partition_table(16, 16, 2, 2, key(999), 0, 3).numpy())
 
 
-def test_seed_salts_use_every_bit_and_keep_the_old_salts_below_2_to_the_29():
-    salt = partition_module._seed_salt
-    assert salt(0) == 0 and salt(5) == (5 * partition_module._W_SEED) & partition_module.MASK31  # partitions of 0.4.0 kept
-    seeds = [0, 2**29, 2**30, 3 * 2**29, 2**31, 2**32, 2**62, 2**64 - 1]
-    assert len({salt(s) for s in seeds}) == len(seeds)
-    low = np.random.default_rng(0).choice(2**31, 20000, replace=False)
-    assert len({salt(int(s)) for s in low}) == len(low)  # one-to-one on [0, 2**31)
-    step = merge_module.step_key(999)
-    tables = [merge_module.partition_table(16, 16, 2, 2, step, s, 2).numpy() for s in (0, 2**29, 2**31)]
-    assert not np.array_equal(tables[0], tables[1]) and not np.array_equal(tables[0], tables[2])
+def test_every_bit_of_the_seed_changes_the_variants():
+    from ppdiffusers_tome.ops.partition import grid
+
+    seeds = [0, 1, 2**29, 2**30, 2**31, 2**32, 2**62, 2**64 - 1, 2**64, 2**64 + 1]
+    tables = [grid(8, 8, 2, 2).variants(s).numpy().tobytes() for s in seeds]
+    assert len(set(tables)) == len(seeds)
+
+
+def test_a_partition_costs_at_most_eight_ops_per_call():
+    from ppdiffusers_tome.tools.measure import count_ops
+
+    timestep = paddle.to_tensor([999, 999])
+    merge_module.partition_table(64, 64, 2, 2, merge_module.step_key(timestep), 0, 16)  # tables built once
+    counted = count_ops(lambda: merge_module.partition_table(64, 64, 2, 2, merge_module.step_key(timestep), 0, 16))
+    assert counted.total <= 8, counted.by_name
 
 
 def test_step_key_is_the_same_for_a_batch_of_one_timestep_in_any_form():

@@ -66,6 +66,9 @@ class MergePlan:
         self.merged_idx: Optional[paddle.Tensor] = None  # [B, r] partition slot of each merged src
         self.merged_dst: Optional[paddle.Tensor] = None  # [B, r] dst slot it joined
         self.unmerge_rows: Optional[paddle.Tensor] = None  # [B*N] merged row of every input row
+        self.keep_rows: Optional[paddle.Tensor] = None  # [B*M] input row each merged row starts from (kept src, dst)
+        self.merge_rows: Optional[paddle.Tensor] = None  # [B*r] input rows of the merged src
+        self.merge_targets: Optional[paddle.Tensor] = None  # [B*r] the merged row (its dst's) each one is added to
         self.counts: Optional[paddle.Tensor] = None  # [B*M, 1] float32 group sizes 1 + k
         self.row_scale: Optional[paddle.Tensor] = None  # [B*N, 1] float32 1 / (1 + k) of every input row
 
@@ -102,12 +105,17 @@ class MergePlan:
         self.merged_idx = order[:, :r]
         self.merged_dst = paddle.take_along_axis(best_dst_slot, self.merged_idx, axis=1, broadcast=False)
         b = _batch_tables(self.batch_size, n, m, kept, order)
-        # input rows in sorted order per item: [merged src | kept src | dst]
-        rows = paddle.take_along_axis(self.partition + b["off_n"], order, axis=1, broadcast=False).reshape([-1])
-        # ... and the merged row of each: its dst's row for a merged src, rows 0 .. M-1 of the item for the rest;
-        # every input row is written exactly once, so the scatter has no conflicts (its own base, not the index:
-        # a static program may write the output in place)
-        ends = paddle.concat([self.merged_dst + b["off_dst"], b["rows_m"]], axis=1).reshape([-1])
+        # input rows in sorted order per item: [merged src | kept src | dst]; the merged rows are [kept src | dst], so
+        # a merge starts from the rows after the first r and adds the first r onto their dst's merged row
+        sorted_rows = paddle.take_along_axis(self.partition + b["off_n"], order, axis=1, broadcast=False)
+        merged, keep = paddle.split(sorted_rows, [r, m], axis=1)
+        targets = self.merged_dst + b["off_dst"]
+        self.keep_rows, self.merge_rows, self.merge_targets = keep.reshape([-1]), merged.reshape([-1]), targets.reshape([-1])
+        # the merged row of every input row, for the unmerge: its dst's row for a merged src, rows 0 .. M-1 of the
+        # item for the rest; every input row is written exactly once, so the scatter has no conflicts (its own base,
+        # not the index: a static program may write the output in place)
+        rows = sorted_rows.reshape([-1])
+        ends = paddle.concat([targets, b["rows_m"]], axis=1).reshape([-1])
         self.unmerge_rows = paddle.scatter(b["zeros_n"], rows, ends)
         # group sizes 1 + k, counted with exact float adds of 1 (order-free, so deterministic on any device)
         self.counts = paddle.index_add(b["zeros_m"], self.unmerge_rows, 0, b["ones_n"])
@@ -168,8 +176,9 @@ class MergePlan:
         ``mode="mean"`` averages each dst with the src merged into it (the ToMe SD rule); ``"sum"`` adds them.
         Arithmetic runs in :func:`~ppdiffusers_tome.ops.runtime.compute_dtype`; the result has ``x``'s dtype. The
         mean is formed as ``dst/(1+k) + sum(src/(1+k))``, a convex combination, so it is finite wherever the inputs
-        are. One ``index_add`` of the (weighted) rows: in row order on a CPU, with float atomics on a GPU (the last
-        bits of a sum may differ run to run; see :class:`GroupMergePlan`).
+        are. The merged rows start as the weighted kept src and dst (one gather) and the weighted merged src are
+        added onto their dst's row (one ``index_add``: in order on a CPU, with float atomics on a GPU, where the last
+        bits of a sum may differ run to run; see :class:`GroupMergePlan`). No buffer is zeroed or kept for it.
         """
         if mode not in MERGE_MODES:
             raise ValueError(f"mode must be one of {MERGE_MODES}, got {mode!r}")
@@ -182,13 +191,9 @@ class MergePlan:
             flat = flat.astype(work)
         if mode == "mean":
             flat = flat * self._row_scale(work)
-        # every input row added onto the merged row it ends in
-        if self.batch_size < 0:  # a dynamic batch while tracing
-            zeros = paddle.zeros([paddle.shape(x)[0] * self.merged_tokens, channels], dtype=work)
-        else:
-            shape = [self.batch_size * self.merged_tokens, channels]
-            zeros = CACHE.get(("zeros", shape[0], channels, work), paddle.zeros, shape, work)
-        out = paddle.index_add(zeros, self.unmerge_rows, 0, flat)
+        # (the gathered base is this method's own buffer: added to in place, the result always rebound, as a static
+        # program needs)
+        out = paddle.gather(flat, self.keep_rows).index_add_(self.merge_targets, 0, paddle.gather(flat, self.merge_rows))
         return out.astype(x.dtype).reshape([-1, self.merged_tokens, channels])
 
     def _row_scale(self, work: str) -> paddle.Tensor:

@@ -6,9 +6,10 @@ come window by window: the kept src of window 0, its dst, then window 1, ... Thr
 
 * :class:`LocalMergePlan` (CPU kernels): the assignment as row tables, applied by ``index_add`` and a gather (on a
   CPU a dense product over the window costs more than the scatter it replaces);
-* :class:`DenseLocalPlan` (GPU kernels, grid windows): two per-window matrices, so merge and unmerge are one gather
-  (the window layout) and one batched matmul each: few kernel launches, a fixed summation order (bit-identical run
-  to run, no atomics), memory ``B * N * window**2`` in all;
+* :class:`DenseLocalPlan` (GPU kernels, grid windows): two per-window matrices, built once in the tokens' dtype, so
+  merge and unmerge are one gather (the window layout) and one batched matmul each: few kernel launches, a fixed
+  summation order (bit-identical run to run, no atomics); the plan holds the two matrices and nothing else,
+  ``2 * B * N * (window tokens - r_w) * bytes`` (128 MiB at [16, 16384, 320] in float16 with 16 x 16 windows);
 * :class:`DenseFeaturePlan` (GPU kernels, feature windows): the same matrices, each window's tokens gathered per
   item with one ``gather_nd`` on each side.
 
@@ -24,11 +25,12 @@ from typing import Any, Dict, Optional, Tuple
 
 import paddle
 import paddle.nn.functional as F
+from paddle import _C_ops
 
 from .cache import CACHE
-from .feature_order import DEFAULT_SQUARINGS, match_feature_windows
-from .global_plan import MergePlan
-from .runtime import device_kind, dtype_name, tracing
+from .feature_order import match_feature_windows
+from .global_plan import MERGE_MODES, MergePlan
+from .runtime import compute_dtype, device_kind, dtype_name, tracing
 from .windows import Windows, match_windows, windows
 
 __all__ = ["DenseFeaturePlan", "DenseLocalPlan", "LocalMergePlan"]
@@ -51,7 +53,7 @@ class LocalMergePlan(MergePlan):
     @classmethod
     def from_matching(  # type: ignore[override]
         cls, metric: paddle.Tensor, windows_spec: Tuple[int, int, int, int, int, int], partition: paddle.Tensor,
-        window_r: int, kind: Optional[str] = None, order: str = "grid", squarings: int = DEFAULT_SQUARINGS,
+        window_r: int, kind: Optional[str] = None, order: str = "grid",
     ) -> "LocalMergePlan":
         """Match within windows and plan the merge of ``window_r`` src per window.
 
@@ -60,12 +62,12 @@ class LocalMergePlan(MergePlan):
             windows_spec: ``(h, w, wy, wx, sx, sy)``: the grid, its window sides (see
                 :func:`~ppdiffusers_tome.ops.windows.window_sides`) and strides.
             partition: ``[W, T]`` window-local partition (one row of
-                :func:`~ppdiffusers_tome.ops.windows.window_partition_table`).
+                :func:`~ppdiffusers_tome.ops.windows.window_partition_table`); feature order also takes the same
+                partition as one row of :func:`~ppdiffusers_tome.ops.feature_order.feature_partition_table`.
             window_r: src merged per window, ``0 < window_r <= Ns_w``.
             kind: ``"cpu"`` or ``"gpu"`` kernels; default from ``metric``'s place.
             order: ``"grid"`` (windows are tiles of the grid) or ``"feature"`` (see
                 :mod:`ppdiffusers_tome.ops.feature_order`).
-            squarings: feature order's power iterations are ``2**squarings``.
 
         Example:
             >>> import paddle
@@ -87,35 +89,42 @@ class LocalMergePlan(MergePlan):
             plan_type = DenseFeaturePlan if order == "feature" else DenseLocalPlan
         plan = plan_type(int(metric.shape[1]), batch, win.count * int(window_r), kind)
         plan.windows, plan.window_r, plan.num_src, plan.order = win, int(window_r), win.count * win.num_src, order
+        plan.dtype = dtype_name(metric.dtype)
         with paddle.no_grad():
             layout = None
-            if order == "feature":
-                best, best_dst, layout = match_feature_windows(metric.detach(), win, partition, kind, squarings)
-                partition = win.tensors()["identity"]  # each window's tokens are laid out src first, then dst
+            if order == "feature":  # each window's tokens come laid out src first, then dst: no partition to apply
+                best, best_dst, layout = match_feature_windows(metric.detach(), win, partition, kind)
+                partition = None
             else:
                 best, best_dst = match_windows(metric.detach(), win, partition, kind)
             spare = 1 if kind == "gpu" and batch == 1 and win.count == 1 else 0  # (a one-row GPU sort syncs)
-            ranked = paddle.argsort(F.pad(best, [0, spare, 0, 0]), axis=-1, descending=True, stable=True)
+            ranked = paddle.argsort(F.pad(best, [0, spare, 0, 0]) if spare else best, axis=-1, descending=True,
+                                    stable=True)
             ranked = ranked[:-1] if spare else ranked
             plan._build_local(ranked, best_dst, partition, batch, layout)
         return plan
 
-    def _build_local(self, order: paddle.Tensor, best_dst: paddle.Tensor, partition: paddle.Tensor, batch: int,
-                     layout: Optional[paddle.Tensor]) -> None:
+    def _build_local(self, order: paddle.Tensor, best_dst: paddle.Tensor, partition: Optional[paddle.Tensor],
+                     batch: int, layout: Optional[paddle.Tensor]) -> None:
         """The merged row (within its window) of every token: kept src first, then the dst, each merged src on
-        its dst's row; then the tables of this plan's kind. ``layout`` (feature order only): ``[B, W, T]`` grid
-        positions of each window's tokens."""
+        its dst's row; then the tables of this plan's kind. ``partition`` is None when each window's tokens are
+        already src first, then dst; ``layout`` (feature order only): ``[B, N]`` grid positions of the tokens,
+        window by window."""
         win, r_w = self.windows, self.window_r
         kept, m_w = win.num_src - r_w, win.size - r_w
         b = _local_tables(-1 if tracing() else batch, win, m_w, order)
-        local = paddle.tile(partition, b["repeat"])  # [B*W, T]
-        src_local, dst_local = paddle.split(local, [win.num_src, win.num_dst], axis=1)
-        tokens = paddle.concat([paddle.take_along_axis(src_local, order, axis=1, broadcast=False), dst_local], axis=1)
+        if partition is None:
+            tokens = paddle.concat([order, b["dst_slots"]], axis=1)  # [B*W, T] window-local token of each place
+        else:
+            local = paddle.tile(partition, b["repeat"])  # [B*W, T]
+            src_local, dst_local = paddle.split(local, [win.num_src, win.num_dst], axis=1)
+            tokens = paddle.concat([paddle.take_along_axis(src_local, order, axis=1, broadcast=False), dst_local],
+                                   axis=1)
         merged_dst = paddle.take_along_axis(best_dst, order[:, :r_w], axis=1, broadcast=False)
         rows = paddle.concat([merged_dst + kept, b["rows"]], axis=1)  # the row of each token, in sorted order
         # every token of a window is written exactly once: no conflicts (its own base: a static program may write
         # the output in place)
-        row_of = paddle.put_along_axis(b["zeros"], tokens, rows, axis=1)  # [B*W, T], window-local token order
+        row_of = put_along(b["zeros"], tokens, rows)  # [B*W, T], window-local token order
         self._build_tables(row_of, b, layout)
 
     def _build_tables(self, row_of: paddle.Tensor, b: Dict[str, Any], layout: Optional[paddle.Tensor]) -> None:
@@ -125,12 +134,32 @@ class LocalMergePlan(MergePlan):
         if layout is None:
             unmerge_rows = paddle.gather(flat, win.tensors()["inverse"], axis=1).reshape([-1])  # grid order
         else:  # every position of an item appears once in its layout: no conflicts
-            positions = layout.reshape([-1, self.num_tokens])
-            unmerge_rows = paddle.put_along_axis(b["zeros"].reshape([-1, self.num_tokens]), positions, flat,
-                                                 axis=1).reshape([-1])
+            unmerge_rows = put_along(b["zeros"].reshape([-1, self.num_tokens]), layout, flat).reshape([-1])
         self.unmerge_rows = unmerge_rows
         self.counts = paddle.index_add(b["zeros_m"], unmerge_rows, 0, b["ones_n"])
         self.row_scale = paddle.gather(paddle.reciprocal(self.counts), unmerge_rows)
+
+    def merge(self, x: paddle.Tensor, mode: str = "mean") -> paddle.Tensor:
+        """Merge ``x`` (``[B, N, C]``) into ``[B, N - r, C]``: every weighted input row added onto the merged row it
+        ends in, in row order (the CPU kernels' form: one ``index_add`` onto zeros)."""
+        if mode not in MERGE_MODES:
+            raise ValueError(f"mode must be one of {MERGE_MODES}, got {mode!r}")
+        self.check(x, self.num_tokens, "merge")
+        if self.is_identity:
+            return x
+        channels, work = x.shape[-1], compute_dtype(x.dtype)
+        flat = x.reshape([-1, channels])
+        if dtype_name(x.dtype) != work:
+            flat = flat.astype(work)
+        if mode == "mean":
+            flat = flat * self._row_scale(work)
+        if self.batch_size < 0:  # a dynamic batch while tracing
+            zeros = paddle.zeros([paddle.shape(x)[0] * self.merged_tokens, channels], dtype=work)
+        else:
+            shape = [self.batch_size * self.merged_tokens, channels]
+            zeros = CACHE.get(("zeros", shape[0], channels, work), paddle.zeros, shape, work)
+        out = paddle.index_add(zeros, self.unmerge_rows, 0, flat)
+        return out.astype(x.dtype).reshape([-1, self.merged_tokens, channels])
 
     def __repr__(self) -> str:
         win = self.windows
@@ -142,24 +171,28 @@ class LocalMergePlan(MergePlan):
 
 class DenseLocalPlan(LocalMergePlan):
     """The GPU kernels' local plan: ``unmerge_matrix`` ``[B*W, T, Mw]`` (a one-hot of the merged row of every token)
-    and ``merge_matrix`` ``[B*W, Mw, T]`` (its transpose, each row divided by its group size); merge and unmerge are
-    one layout gather and one batched matmul each, plus two free reshapes."""
+    and ``merge_matrix`` ``[B*W, Mw, T]`` (its transpose, each row divided by its group size), both in the dtype of
+    the tokens the plan was made from; merge and unmerge are one layout gather and one batched matmul each, plus two
+    free reshapes."""
 
     def __init__(self, num_tokens: int, batch_size: int, r: int = 0, kind: str = "gpu"):
         LocalMergePlan.__init__(self, num_tokens, batch_size, r, kind)
-        self.matrices: Dict[str, paddle.Tensor] = {}  # "<name>:<dtype>" -> matrix
+        self.dtype = "float32"
+        self.unmerge_matrix: Optional[paddle.Tensor] = None
+        self.merge_matrix: Optional[paddle.Tensor] = None
 
     def _build_tables(self, row_of: paddle.Tensor, b: Dict[str, Any], layout: Optional[paddle.Tensor]) -> None:
         onehot = F.one_hot(row_of, self.windows.size - self.window_r)  # [B*W, T, Mw] float32 of exact 0/1
         counts = paddle.sum(onehot, axis=1, keepdim=True)  # [B*W, 1, Mw]: group sizes, exact integers
-        self.matrices = {"unmerge:float32": onehot, "merge:float32": (onehot / counts).transpose([0, 2, 1])}
+        merge = (onehot / counts).transpose([0, 2, 1])
+        if self.dtype != "float32":  # (the float32 ones are temporaries of the build: only these stay)
+            onehot, merge = onehot.astype(self.dtype), merge.astype(self.dtype)
+        self.unmerge_matrix, self.merge_matrix = onehot, merge
 
-    def _matrix(self, name: str, dtype: str) -> paddle.Tensor:
-        """One of the dense matrices in ``dtype`` (built in float32, cast once per dtype and kept)."""
-        key = f"{name}:{dtype}"
-        if key not in self.matrices:
-            self.matrices[key] = self.matrices[f"{name}:float32"].astype(dtype)
-        return self.matrices[key]
+    def _matrix(self, matrix: paddle.Tensor, dtype: str) -> paddle.Tensor:
+        """``matrix`` for tokens of ``dtype``: itself when the plan was made from tokens of that dtype, else a cast
+        for this call only (nothing more is kept)."""
+        return matrix if dtype == self.dtype else matrix.astype(dtype)
 
     def _window_tokens(self, x: paddle.Tensor) -> paddle.Tensor:
         """``[B, N, C]`` tokens as ``[B*W, T, C]``, window by window."""
@@ -177,7 +210,7 @@ class DenseLocalPlan(LocalMergePlan):
         self.check(x, self.num_tokens, "merge")
         if self.is_identity:
             return x
-        out = paddle.matmul(self._matrix("merge", dtype_name(x.dtype)), self._window_tokens(x))  # [B*W, Mw, C]
+        out = paddle.matmul(self._matrix(self.merge_matrix, dtype_name(x.dtype)), self._window_tokens(x))  # [B*W, Mw, C]
         return out.reshape([-1, self.merged_tokens, x.shape[-1]])
 
     def unmerge(self, y: paddle.Tensor) -> paddle.Tensor:
@@ -185,7 +218,7 @@ class DenseLocalPlan(LocalMergePlan):
         if self.is_identity:
             return y
         rows = y.reshape([-1, self.windows.size - self.window_r, y.shape[-1]])
-        return self._grid_tokens(paddle.matmul(self._matrix("unmerge", dtype_name(y.dtype)), rows))  # [B*W, T, C]
+        return self._grid_tokens(paddle.matmul(self._matrix(self.unmerge_matrix, dtype_name(y.dtype)), rows))
 
 
 class DenseFeaturePlan(DenseLocalPlan):
@@ -200,11 +233,10 @@ class DenseFeaturePlan(DenseLocalPlan):
 
     def _build_tables(self, row_of: paddle.Tensor, b: Dict[str, Any], layout: Optional[paddle.Tensor]) -> None:
         DenseLocalPlan._build_tables(self, row_of, b, layout)  # (not super(): SOT cannot follow it)
-        win, n = self.windows, self.num_tokens
-        items = b["items"]  # [B, W, T]: the item of every window slot
-        self.window_index = paddle.stack([items, layout], axis=-1).reshape([-1, win.size, 2])
-        slots = paddle.put_along_axis(b["zeros"].reshape([-1, n]), layout.reshape([-1, n]), b["slots"], axis=1)
-        window_rows = items.reshape([-1, n]) * win.count + paddle.floor_divide(slots, b["size"])
+        # (the parent called by name, not through super(): see docs/design.md, the tracing rules)
+        self.window_index = paddle.stack([b["items"], layout], axis=-1).reshape([-1, self.windows.size, 2])
+        slots = put_along(b["zeros"].reshape([-1, self.num_tokens]), layout, b["slots"])
+        window_rows = b["window_of_item"] + paddle.floor_divide(slots, b["size"])  # [B, N]
         self.grid_index = paddle.stack([window_rows, paddle.remainder(slots, b["size"])], axis=-1)  # [B, N, 2]
 
     def _window_tokens(self, x: paddle.Tensor) -> paddle.Tensor:
@@ -214,15 +246,25 @@ class DenseFeaturePlan(DenseLocalPlan):
         return paddle.gather_nd(out, self.grid_index)  # [B, N, C]
 
 
+def put_along(arr: paddle.Tensor, indices: paddle.Tensor, values: paddle.Tensor) -> paddle.Tensor:
+    """``paddle.put_along_axis(arr, indices, values, axis=1)`` for ``indices`` and ``values`` of ``arr``'s shape: one
+    operator. (The public function broadcasts equal shapes with two more operators, or, told not to, checks the
+    indices' bounds by reading them on the host: a device sync on a GPU.)"""
+    if paddle.in_dynamic_mode() or paddle.framework.in_pir_mode():
+        return _C_ops.put_along_axis(arr, indices, values, 1, "assign", True)
+    return paddle.put_along_axis(arr, indices, values, axis=1)  # pragma: no cover - the legacy static graph
+
+
 def _local_tables(batch: int, win: Windows, m_w: int, like: paddle.Tensor) -> Dict[str, Any]:
     """Per-batch tables of a local plan: cached per batch size in eager mode, built from the runtime shape of
     ``like`` (``[B*W, ...]``) while tracing a dynamic batch."""
     if batch < 0:
-        return _build_local_tables(paddle.shape(like)[0] // win.count, win.count, win.size, m_w)
-    return CACHE.get(("local", batch, win.count, win.size, m_w), _build_local_tables, batch, win.count, win.size, m_w)
+        return _build_local_tables(paddle.shape(like)[0] // win.count, win.count, win.size, win.num_src, m_w)
+    return CACHE.get(("local", batch, win.count, win.size, win.num_src, m_w), _build_local_tables, batch, win.count,
+                     win.size, win.num_src, m_w)
 
 
-def _build_local_tables(batch: Any, count: int, size: int, m_w: int) -> Dict[str, Any]:
+def _build_local_tables(batch: Any, count: int, size: int, num_src: int, m_w: int) -> Dict[str, Any]:
     rows = batch * count
     return {
         "repeat": [batch, 1],
@@ -231,8 +273,11 @@ def _build_local_tables(batch: Any, count: int, size: int, m_w: int) -> Dict[str
         "offsets": (paddle.arange(rows, dtype="int64") * m_w).unsqueeze(-1),  # first row of every window
         "zeros_m": paddle.zeros([rows * m_w, 1], dtype="float32"),
         "ones_n": paddle.ones([rows * size, 1], dtype="float32"),
-        # feature order: the item of every window slot, and the slots of an item's window layout
-        "items": paddle.tile(paddle.arange(batch, dtype="int64").reshape([-1, 1, 1]), [1, count, size]),
+        # feature order: the window-local slot of every dst, the item of every place of an item's window layout,
+        # every place's number, and the first window row of every item
+        "dst_slots": paddle.tile(paddle.arange(num_src, size, dtype="int64").unsqueeze(0), [rows, 1]),
+        "items": paddle.tile(paddle.arange(batch, dtype="int64").unsqueeze(-1), [1, count * size]),
         "slots": paddle.tile(paddle.arange(count * size, dtype="int64").unsqueeze(0), [batch, 1]),
+        "window_of_item": paddle.tile((paddle.arange(batch, dtype="int64") * count).unsqueeze(-1), [1, count * size]),
         "size": paddle.full([], size, dtype="int64"),
     }

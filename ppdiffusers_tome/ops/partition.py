@@ -1,9 +1,11 @@
-"""The random 2D-stride partition into src and dst tokens, drawn on the device.
+"""The random 2D-stride partition into src and dst tokens, picked on the device.
 
-Every full ``sy x sx`` cell of the token grid holds one dst; which slot of the cell it is comes from an integer
-hash of ``(seed, block, grid, step, cell)`` computed with tensor ops. So the partition needs no host RNG, uploads
-nothing, never reads the timestep on the host, is the same for both halves of classifier-free guidance, and is a
-pure function of its inputs (identical calls give identical images).
+Every full ``sy x sx`` cell of the token grid holds one dst. For each grid and seed, :data:`VARIANTS` partitions are
+drawn once on the host (every cell's dst slot uniform and independent, from a generator seeded with all the bits
+of the seed and the grid) and kept on the device; a call picks one per block from its step key with three integer
+ops. So the partition needs no host RNG in a forward, uploads nothing after the first call at a grid, never reads
+the timestep on the host, is the same for both halves of classifier-free guidance, and is a pure function of
+``(seed, block, grid, step)``: identical calls give identical images.
 """
 
 from __future__ import annotations
@@ -19,16 +21,15 @@ import paddle
 from .cache import CACHE, const
 from .runtime import dtype_name
 
-__all__ = ["find_downsample", "grid_partition", "max_ratio", "partition_table", "step_key"]
+__all__ = ["VARIANTS", "draw_dst", "find_downsample", "grid_partition", "max_ratio", "partition_table", "step_key",
+           "variant_index"]
 
 GeneratorLike = Union[None, int, np.random.Generator]
 
-# 31-bit integer hash: every value stays below 2**31 and every constant below 2**31, so products stay below 2**62
-# and never overflow int64, on any device.
 MASK31 = (1 << 31) - 1
-_MULTIPLIERS = (0x2C1B3C6D, 0x297A2D39)
-_W_STEP, _W_BLOCK, _W_SEED = 0x5BD1E995 & MASK31, 0x1B873593, 0x68E31DA4
-W_CELL = 0x3C6EF372 | 1
+# partitions kept per grid and seed: a prime, so that step keys (multiples of 1024) and blocks spread over them
+VARIANTS = 61
+_W_STEP, _W_BLOCK = 0x5BD1E995 & MASK31, 0x1B873593
 
 
 def max_ratio(sx: int, sy: int) -> float:
@@ -63,40 +64,7 @@ def find_downsample(latent_h: int, latent_w: int, num_tokens: int, limit: int = 
     return None
 
 
-# the hash ------------------------------------------------------------------------------------------------------------
-def _build_hash_constants() -> Dict[str, paddle.Tensor]:
-    # every operand a device tensor: a Python scalar operand would be uploaded at each call (a sync on a GPU)
-    return {
-        "mask": const(MASK31), "m1": const(_MULTIPLIERS[0]), "m2": const(_MULTIPLIERS[1]),
-        "step": const(_W_STEP), "s15": const(15), "s16": const(16), "zero": const(0.0, "float32"),
-    }
-
-
-def _hash_constants() -> Dict[str, paddle.Tensor]:
-    return CACHE.get("hash", _build_hash_constants)
-
-
-def _mix31(x: paddle.Tensor, c: Dict[str, paddle.Tensor]) -> paddle.Tensor:
-    """Avalanche a tensor of int64 values in [0, 2**31) (two xor-shift-multiply rounds, as in MurmurHash3's
-    finaliser, on 31 bits)."""
-    shift = paddle.bitwise_right_shift
-    x = paddle.bitwise_xor(x, shift(x, c["s16"]))
-    x = paddle.bitwise_and(x * c["m1"], c["mask"])
-    x = paddle.bitwise_xor(x, shift(x, c["s15"]))
-    x = paddle.bitwise_and(x * c["m2"], c["mask"])
-    return paddle.bitwise_xor(x, shift(x, c["s16"]))
-
-
-def mix31_int(x: int) -> int:
-    """The same hash on a Python int (for keys made on the host)."""
-    x &= MASK31
-    x ^= x >> 16
-    x = (x * _MULTIPLIERS[0]) & MASK31
-    x ^= x >> 15
-    x = (x * _MULTIPLIERS[1]) & MASK31
-    return x ^ (x >> 16)
-
-
+# step keys and variants ------------------------------------------------------------------------------------
 def step_key(timestep: Any) -> paddle.Tensor:
     """A 0-d int64 device tensor that identifies the denoising step of a call, computed from the timestep without
     reading it on the host: the largest timestep of the batch, in 1/1024 units, on 31 bits. Python numbers (and
@@ -110,7 +78,6 @@ def step_key(timestep: Any) -> paddle.Tensor:
     """
     if timestep is None or isinstance(timestep, (int, float, np.integer, np.floating)):
         return paddle.full([], _host_step_key(timestep), dtype="int64")
-    c = _hash_constants()
     if dtype_name(timestep.dtype) == "bool":  # (Paddle has no max kernel for bool)
         timestep = timestep.astype("int64")
     t = timestep.max()
@@ -118,7 +85,7 @@ def step_key(timestep: Any) -> paddle.Tensor:
         t = t.astype("int64") * 1024
     else:
         t = (t.astype("float64") * 1024.0).round().astype("int64")
-    return paddle.bitwise_and(t, c["mask"])
+    return paddle.bitwise_and(t, CACHE.get(("constant", "mask31"), const, MASK31))
 
 
 def _host_step_key(timestep: Any) -> int:
@@ -130,6 +97,33 @@ def _host_step_key(timestep: Any) -> int:
         return (int(timestep) * 1024) & MASK31
     value = float(timestep)
     return int(round(value * 1024)) & MASK31 if math.isfinite(value) else 0
+
+
+def variant_index(step: paddle.Tensor, seed: int, rows: int) -> paddle.Tensor:
+    """``[rows]`` int64: the variant each block row takes at step key ``step``,
+    ``(step * a + salt(seed, row)) mod VARIANTS`` (three ops: the constants are cached device tensors). Distinct
+    blocks take distinct variants at one step; a step's variant changes with every timestep that is not a multiple
+    of :data:`VARIANTS` apart.
+
+    >>> int(variant_index(step_key(999), 0, 2)[0]) in range(VARIANTS)
+    True
+    """
+    c = CACHE.get(("variant_constants", int(seed) % VARIANTS, rows), _variant_constants, int(seed) % VARIANTS, rows)
+    return paddle.remainder(step * c["step"] + c["salts"], c["variants"])
+
+
+def _variant_constants(seed_salt: int, rows: int) -> Dict[str, paddle.Tensor]:
+    salts = (seed_salt + np.arange(rows, dtype=np.int64) * (_W_BLOCK % VARIANTS)) % VARIANTS
+    return {"step": const(_W_STEP), "salts": const(salts), "variants": const(VARIANTS)}
+
+
+def draw_dst(cell_of: np.ndarray, slot_of: np.ndarray, cells: int, slots: int, key: Tuple[int, ...]) -> np.ndarray:
+    """``[VARIANTS, N]`` bool on the host, True where a token is the dst of its cell: in each variant every cell's
+    dst slot is drawn uniformly and independently (``slot_of`` is -1 for leftover tokens, which stay src) by a
+    generator seeded with ``key`` (every bit of it counts)."""
+    rng = np.random.default_rng([abs(int(k)) for k in key] + [int(k < 0) for k in key])
+    chosen = rng.integers(0, slots, size=(VARIANTS, max(cells, 1)))
+    return (chosen[:, cell_of] == slot_of[None, :]) & (slot_of[None, :] >= 0)
 
 
 # grids ---------------------------------------------------------------------------------------------------------------
@@ -147,9 +141,6 @@ class Grid:
         is_dst = np.zeros(h * w, dtype=bool)
         is_dst[self.cell_origin] = True
         self.top_left = np.concatenate([np.flatnonzero(~is_dst), self.cell_origin]).astype(np.int64)
-        grid_salt = mix31_int(h * 0x10001 + w * 0x101 + sx * 0x11 + sy)
-        cells = np.arange(self.num_dst, dtype=np.int64)
-        self.cell_key = (cells * W_CELL + grid_salt) & MASK31
         # for every grid position: its cell and its slot in the cell (leftover positions: cell 0, slot -1)
         ys, xs = np.divmod(np.arange(h * w, dtype=np.int64), w)
         inside = (ys < (h // sy) * sy) & (xs < (w // sx) * sx)
@@ -160,15 +151,18 @@ class Grid:
         """The device copies of the tables (cached per place)."""
         return CACHE.get(("grid", self.h, self.w, self.sx, self.sy), _grid_tensors, self)
 
+    def variants(self, seed: int) -> paddle.Tensor:
+        """The ``[VARIANTS, N]`` partitions of this grid for ``seed`` on the device (drawn once, cached)."""
+        return CACHE.get(("variants", self.h, self.w, self.sx, self.sy, int(seed)), _grid_variants, self, int(seed))
+
 
 def _grid_tensors(grid: Grid) -> Dict[str, paddle.Tensor]:
-    return {
-        "top_left": const(grid.top_left),
-        "cell_key": const(grid.cell_key[None, :]),
-        "cell_of": const(grid.cell_of),
-        "slot_of": const(grid.slot_of[None, :]),
-        "slots": const(grid.slots),
-    }
+    return {"top_left": const(grid.top_left)}
+
+
+def _grid_variants(grid: Grid, seed: int) -> paddle.Tensor:
+    is_dst = draw_dst(grid.cell_of, grid.slot_of, grid.num_dst, grid.slots, (seed, grid.h, grid.w, grid.sx, grid.sy))
+    return const(np.argsort(is_dst, axis=1, kind="stable"))  # src (False) first, then dst, each in position order
 
 
 @functools.lru_cache(maxsize=64)
@@ -185,11 +179,11 @@ def cell_count(h: int, w: int, sx: int, sy: int) -> int:
 def partition_table(h: int, w: int, sx: int, sy: int, step: paddle.Tensor, seed: int, blocks: int) -> paddle.Tensor:
     """Random partitions of an ``h x w`` grid for ``blocks`` blocks at once: an int64 ``[max(blocks, 2), h*w]``
     tensor whose row ``i`` lists the grid positions of block ``i`` in partition order (src in increasing position,
-    then dst). Each full ``sy x sx`` cell holds one dst, drawn uniformly from a hash of ``(seed, block, grid,
-    step, cell)``; leftover rows and columns are src.
+    then dst). Each full ``sy x sx`` cell holds one dst, uniformly drawn; leftover rows and columns are src. The
+    rows are variants of the grid's table for ``seed`` (:meth:`Grid.variants`), picked by :func:`variant_index`:
+    with the step key, four ops per call (a table of one block still has two rows, as a sort on a GPU needs).
 
-    ``step`` is a 0-d int64 tensor (see :func:`step_key`). Everything runs on the device; a table of one block
-    still has two rows, so the sort below never takes Paddle's synchronising single-row GPU path.
+    ``step`` is a 0-d int64 tensor (see :func:`step_key`).
 
     >>> import paddle
     >>> table = partition_table(4, 4, 2, 2, step_key(999), seed=0, blocks=1)
@@ -200,39 +194,7 @@ def partition_table(h: int, w: int, sx: int, sy: int, step: paddle.Tensor, seed:
     rows = max(int(blocks), 2)
     if layout.num_dst == 0:
         return CACHE.get(("top_left_rows", h, w, sx, sy, rows), const, np.tile(layout.top_left, (rows, 1)))
-    is_dst = dst_flags(layout.tensors(), step, seed, rows)  # [rows, N]
-    return paddle.argsort(is_dst, axis=1, stable=True)  # src (flag 0) first, then dst, each in position order
-
-
-def dst_flags(tables: Dict[str, paddle.Tensor], step: paddle.Tensor, seed: int, rows: int) -> paddle.Tensor:
-    """``[rows, N]`` int32, 1 where a token is the dst of its cell: each cell's dst slot drawn from a hash of
-    ``(seed, row, cell key, step)``; ``tables`` give every cell's key and every token's cell and slot."""
-    c = _hash_constants()
-    salts = CACHE.get(("salts", int(seed), rows), const, _block_salts(int(seed), rows))
-    x = paddle.bitwise_and(step * c["step"] + salts + tables["cell_key"], c["mask"])  # [rows, cells]
-    slot = paddle.remainder(_mix31(x, c), tables["slots"])  # the dst slot of every cell
-    return paddle.equal(paddle.gather(slot, tables["cell_of"], axis=1), tables["slot_of"]).astype("int32")
-
-
-def _seed_salt(seed: int) -> int:
-    """The 31-bit salt of a partition seed, made from all of its bits: one-to-one on ``[0, 2**31)``; each further
-    31-bit chunk of a larger seed is mixed in with the integer hash, so seeds that differ in any bit give different
-    partitions (up to chance collisions)."""
-    seed = int(seed)
-    low = seed & MASK31
-    # _W_SEED is a multiple of 4, so low * _W_SEED alone would repeat every 2**29: the top two bits fill the gap
-    salt = (low * _W_SEED + (low >> 29)) & MASK31
-    high = seed >> 31
-    while high:
-        salt = mix31_int(salt ^ (high & MASK31) ^ 0x2545F491)
-        high >>= 31
-    return salt
-
-
-def _block_salts(seed: int, rows: int) -> np.ndarray:
-    """``[rows, 1]`` int64: the salt of every block's row for ``seed``."""
-    blocks = np.arange(rows, dtype=np.int64) * _W_BLOCK  # < 2**62
-    return ((blocks + _seed_salt(seed)) & MASK31).reshape([rows, 1])
+    return paddle.gather(layout.variants(seed), variant_index(step, seed, rows))
 
 
 def generator_seed(generator: GeneratorLike) -> int:

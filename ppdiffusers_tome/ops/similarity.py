@@ -72,14 +72,17 @@ def best_dst(metric: paddle.Tensor, partition: paddle.Tensor, num_src: int, kind
 def _best_dst_gpu(metric: paddle.Tensor, partition: paddle.Tensor, num_src: int
                   ) -> Tuple[paddle.Tensor, paddle.Tensor]:
     """The GPU way: few kernels (each one a launch), the unit rows and the similarity in the tokens' own dtype (see
-    :func:`similarity_dtype`). Next to the similarity only one ``[B, N, C]`` temporary is alive."""
+    :func:`similarity_dtype`). Next to the similarity only one ``[B, N, C]`` temporary is alive, and the similarity
+    is read once: its row maxima are gathered at the argmax, not found by a second pass."""
     work = similarity_dtype(metric.dtype, "gpu")
     unit = unit_rows(metric if dtype_name(metric.dtype) == work else metric.astype(work))
     src, dst = paddle.split(paddle.gather(unit, partition, axis=1), [num_src, metric.shape[1] - num_src], axis=1)
     del unit
     scores = paddle.matmul(src, dst, transpose_y=True)  # [B, Ns, Nd]
     del src, dst
-    return scores.max(axis=-1), scores.argmax(axis=-1)
+    best = scores.argmax(axis=-1, keepdim=True)  # [B, Ns, 1]
+    score = paddle.take_along_axis(scores, best, axis=-1, broadcast=False)
+    return score.reshape([-1, num_src]), best.reshape([-1, num_src])
 
 
 def _best_dst_cpu(metric: paddle.Tensor, partition: paddle.Tensor, num_src: int

@@ -14,10 +14,10 @@ from typing import Dict, Optional, Tuple
 import numpy as np
 import paddle
 
-from .cache import CACHE, const
-from .partition import MASK31, W_CELL, dst_flags, grid, mix31_int
+from .cache import CACHE, const, constant
+from .partition import VARIANTS, draw_dst, grid, variant_index
 from .runtime import dtype_name
-from .similarity import clear_non_finite, normalize_rows, similarity_dtype
+from .similarity import normalize_rows, similarity_dtype
 
 __all__ = ["Windows", "best_in_windows", "match_windows", "window_partition_table", "window_positions",
            "window_sides", "windows"]
@@ -61,9 +61,6 @@ class Windows:
                                            indexing="ij")
         self.order = ((win_y * wy + ty) * w + (win_x * wx + tx)).reshape(self.count, self.size).astype(np.int64)
         self.inverse = np.argsort(self.order.reshape(-1)).astype(np.int64)  # grid position -> window-major index
-        salt = mix31_int(h * 0x10001 + w * 0x101 + sx * 0x11 + sy + wy * 0x3B9 + wx * 0x1F3 + 1)
-        cells = np.arange(self.count * self.num_dst, dtype=np.int64)
-        self.cell_key = (cells * W_CELL + salt) & MASK31
         self.cell_of = (np.arange(self.count)[:, None] * self.num_dst + local.cell_of[None, :]).reshape(-1)
         self.slot_of = np.tile(local.slot_of, self.count)
         self.top_left = np.tile(local.top_left, (self.count, 1))  # the partition with every cell's top-left as dst
@@ -72,12 +69,38 @@ class Windows:
         """The device copies of the tables (cached per place)."""
         return CACHE.get(("windows", self.h, self.w, self.wy, self.wx, self.sx, self.sy), _window_tensors, self)
 
+    def variants(self, seed: int) -> paddle.Tensor:
+        """``[VARIANTS, W, T]`` window-local partitions for ``seed`` on the device (drawn once, cached)."""
+        key = ("window_variants", self.h, self.w, self.wy, self.wx, self.sx, self.sy, int(seed))
+        return CACHE.get(key, _variant_tensor, self, seed)
+
+    def local_partitions(self, seed: Optional[int]) -> np.ndarray:
+        """``[VARIANTS, W, T]`` (``[1, W, T]`` for ``seed=None``: every cell's top-left token as its dst) on the host:
+        each window's tokens (window-local) in partition order, src first, then dst, each in position order."""
+        if seed is None or self.num_dst == 0:
+            return self.top_left[None]
+        key = (int(seed), self.h, self.w, self.wy, self.wx, self.sx, self.sy, 1)
+        is_dst = draw_dst(self.cell_of, self.slot_of, self.count * self.num_dst, self.slots, key)
+        return np.argsort(is_dst.reshape(VARIANTS, self.count, self.size), axis=-1, kind="stable")
+
+    def ranked(self, local: np.ndarray) -> np.ndarray:
+        """``[..., N]`` grid positions of window-local partitions ``local`` (``[..., W, T]``): every window's src,
+        window by window, then every window's dst (the order feature order sorts)."""
+        positions = np.take_along_axis(np.broadcast_to(self.order, local.shape), local, axis=-1)
+        flat = positions.reshape(*local.shape[:-2], -1)
+        slots = np.arange(self.count * self.size).reshape(self.count, self.size)
+        return flat[..., np.concatenate([slots[:, :self.num_src].reshape(-1), slots[:, self.num_src:].reshape(-1)])]
+
+
+def _variant_tensor(win: Windows, seed: int) -> paddle.Tensor:
+    # a module function, not a closure: Paddle's SOT tracer cannot read a lambda's cells
+    return const(win.local_partitions(seed))
+
 
 def _window_tensors(win: Windows) -> Dict[str, paddle.Tensor]:
     return {
         "order": const(win.order), "flat_order": const(win.order.reshape(-1)), "inverse": const(win.inverse),
-        "cell_key": const(win.cell_key[None, :]), "cell_of": const(win.cell_of), "slot_of": const(win.slot_of[None, :]),
-        "slots": const(win.slots), "top_left": const(win.top_left),
+        "top_left": const(win.top_left),
         "identity": const(np.tile(np.arange(win.size, dtype=np.int64), (win.count, 1))),
     }
 
@@ -93,8 +116,8 @@ def window_partition_table(
     """Partitions for local matching, for ``blocks`` blocks at once: an int64 ``[max(blocks, 2), W, T]`` tensor
     (``W`` windows of ``T = wy*wx`` tokens) whose ``[i, k]`` lists the tokens of window ``k`` (window-local,
     row-major) in partition order: src first, then dst, each in position order. Each cell's dst is drawn as in
-    :func:`~ppdiffusers_tome.ops.partition.partition_table` (keyed by the window too); ``step=None`` takes every
-    cell's top-left token instead.
+    :func:`~ppdiffusers_tome.ops.partition.partition_table` (variants of the windows' own table, picked by the step
+    key); ``step=None`` takes every cell's top-left token instead.
 
     >>> import paddle
     >>> from ppdiffusers_tome.ops.partition import step_key
@@ -103,11 +126,10 @@ def window_partition_table(
     ([2, 4, 16], True)
     """
     win = windows(int(h), int(w), int(wy), int(wx), int(sx), int(sy))
-    rows, t = max(int(blocks), 2), win.tensors()
+    rows = max(int(blocks), 2)
     if step is None or win.num_dst == 0:
-        return paddle.expand(t["top_left"].unsqueeze(0), [rows, win.count, win.size])
-    is_dst = dst_flags(t, step, seed, rows).reshape([rows, win.count, win.size])
-    return paddle.argsort(is_dst, axis=-1, stable=True)
+        return paddle.expand(win.tensors()["top_left"].unsqueeze(0), [rows, win.count, win.size])
+    return paddle.gather(win.variants(seed), variant_index(step, seed, rows))
 
 
 def window_positions(win: Windows, partition: paddle.Tensor) -> Tuple[paddle.Tensor, paddle.Tensor]:
@@ -118,12 +140,15 @@ def window_positions(win: Windows, partition: paddle.Tensor) -> Tuple[paddle.Ten
 
 def best_in_windows(src: paddle.Tensor, dst: paddle.Tensor, win: Windows) -> Tuple[paddle.Tensor, paddle.Tensor]:
     """Best dst and its cosine for every src, window by window (``[B*W, Ns_w]`` each), from unit src and dst rows
-    in window order: one batched ``[B*W, Ns_w, Nd_w]`` product. A best similarity that is not finite counts as 0."""
+    in window order (``[B*W, Ns_w, C]`` and ``[B*W, Nd_w, C]``, or anything that reshapes to them): one batched
+    ``[B*W, Ns_w, Nd_w]`` product. A best similarity that is not a number counts as -2, below any cosine: such a src
+    merges last."""
     channels = src.shape[-1]
-    src, dst = src.reshape([-1, win.num_src, channels]), dst.reshape([-1, win.num_dst, channels])
+    if src.ndim != 3 or src.shape[1] != win.num_src:
+        src, dst = src.reshape([-1, win.num_src, channels]), dst.reshape([-1, win.num_dst, channels])
     scores = paddle.matmul(src, dst, transpose_y=True)  # [B*W, Ns_w, Nd_w]
     del src, dst
-    return clear_non_finite(scores.max(axis=-1)), scores.argmax(axis=-1)
+    return paddle.fmax(scores.max(axis=-1), constant(-2.0, dtype_name(scores.dtype))), scores.argmax(axis=-1)
 
 
 def match_windows(metric: paddle.Tensor, win: Windows, partition: paddle.Tensor, kind: str
