@@ -230,6 +230,8 @@ def apply_tome(
     share_plan: str = "block",
     min_tokens: int = 0,
     deterministic: bool = False,
+    policy: str = "auto",
+    min_work: Optional[int] = None,
 ) -> Any:
     """Patch a pipeline, a UNet, a ControlNet (single or multi), a DiT / PixArt-alpha transformer or a list of
     them with ToMe; returns ``obj``.
@@ -245,8 +247,11 @@ def apply_tome(
     merges too; ``ratio=(0.6, 0.3)`` or a callable of the denoising progress schedules the ratio;
     ``recompute_every=k`` reuses each block's matching for ``k`` steps; ``method="todo"`` downsamples keys and
     values instead of merging tokens; ``match_window=16`` matches within windows and, on a GPU, merges with two
-    small matmuls (``match_order="feature"`` cuts those windows along the features instead of the grid); ``share_plan="level"`` plans once per level and call; ``min_tokens`` skips blocks too small to
-    pay for a plan; ``deterministic=True`` merges without float atomics on a GPU (bit-identical run to run).
+    small matmuls (``match_order="feature"`` cuts those windows along the features instead of the grid);
+    ``share_plan="level"`` plans once per level and call; ``deterministic=True`` merges without float atomics on a
+    GPU (bit-identical run to run); ``policy="auto"`` (the default) skips, on a GPU, the blocks whose attention work
+    ``batch * tokens**2`` is below ``min_work`` and pools keys and values where merging pays (``policy="tomesd"``
+    merges every eligible block, as tomesd).
 
     Example:
         >>> import ppdiffusers_tome
@@ -262,7 +267,7 @@ def apply_tome(
         merge_crossattn=merge_crossattn, merge_mlp=merge_mlp, seed=seed, method=method,
         downsample_factor=downsample_factor, downsample_mode=downsample_mode, recompute_every=recompute_every,
         match_window=match_window, match_order=match_order, share_plan=share_plan, min_tokens=min_tokens,
-        deterministic=deterministic,
+        deterministic=deterministic, policy=policy, min_work=min_work,
     )
     targets = _targets(obj, for_apply=True)
     _warn_if_half_on_cpu(targets)
@@ -419,7 +424,10 @@ def tome_status(obj: Any) -> Dict[str, Dict[str, Any]]:
       and ``settings`` are this package's;
     * ``"settings"``: the settings of the active ToMe as a dict (:meth:`ToMeConfig.to_dict`, or the built-in
       port's arguments), or ``None``;
-    * ``"blocks"``: how many transformer blocks it patched (0 when none).
+    * ``"blocks"``: how many transformer blocks it patched (0 when none);
+    * ``"policy"`` (this package only): what the policy chose at each token count seen so far, ``{tokens:
+      {"action", "kernels", "batch", "tokens", "work", "min_work", "why"}}``; ``action`` is ``"merge"`` (the
+      settings' plan), ``"pool"`` (K/V pooling) or ``"skip"``, and ``why`` says it in one line with the numbers.
 
     Example:
         >>> import ppdiffusers_tome
@@ -439,6 +447,9 @@ def tome_status(obj: Any) -> Dict[str, Dict[str, Any]]:
         else:
             settings, blocks = builtin_settings, builtin_blocks
         status[name] = {"active": "+".join(active) or None, "settings": settings, "blocks": blocks}
+        if patch is not None:
+            decisions = dict(patch.state.decisions)
+            status[name]["policy"] = {tokens: decisions[tokens].as_dict() for tokens in sorted(decisions)}
     return status
 
 
@@ -446,15 +457,16 @@ def tome_stats(obj: Any) -> Dict[str, Dict[str, int]]:
     """Counters per patched model of ``obj``, all since ``apply_tome``: ``blocks`` patched, forward ``calls`` seen,
     sub-layer ``merges`` run on merged (or, with ToDo, downsampled) tokens, merge plans ``plans_computed``
     (matching run), ``plans_reused`` (taken from the cache of ``recompute_every``) and ``plans_shared`` (taken from
-    an earlier block of the same call with ``share_plan="level"``), and ``blocks_skipped``: block calls that would
-    have merged but had fewer than ``min_tokens`` tokens in all.
+    an earlier block of the same call with ``share_plan="level"``), ``blocks_skipped``: block calls that would
+    have merged but were below ``min_tokens`` or the policy's ``min_work``, and ``blocks_pooled``: block calls whose
+    keys and values the policy pooled instead of merging.
 
     Example:
         >>> import ppdiffusers_tome
         >>> from ppdiffusers_tome.testing import tiny_unet
         >>> unet = ppdiffusers_tome.apply_tome(tiny_unet(), share_plan="level")
         >>> sorted(ppdiffusers_tome.tome_stats(unet)["UNet2DConditionModel"])
-        ['blocks', 'blocks_skipped', 'calls', 'merges', 'plans_computed', 'plans_reused', 'plans_shared']
+        ['blocks', 'blocks_pooled', 'blocks_skipped', 'calls', 'merges', 'plans_computed', 'plans_reused', 'plans_shared']
     """
     stats = {}
     for name, model in _targets(obj, for_apply=False):
@@ -469,6 +481,7 @@ def tome_stats(obj: Any) -> Dict[str, Dict[str, int]]:
                 "plans_reused": state.plans_reused,
                 "plans_shared": state.plans_shared,
                 "blocks_skipped": state.blocks_skipped,
+                "blocks_pooled": state.blocks_pooled,
             }
     return stats
 

@@ -23,6 +23,7 @@ __all__ = [
     "MAX_STRIDE",
     "MAX_WINDOW",
     "MATCH_ORDERS",
+    "POLICIES",
     "SHARE_PLAN",
     "RatioSpec",
     "ratio_at",
@@ -39,6 +40,7 @@ MAX_STRIDE = 64
 # global matching, with a dense [N - r, N] plan per image: beyond that a dense plan stops being small).
 MAX_WINDOW = 128
 SHARE_PLAN = ("block", "level")
+POLICIES = ("auto", "tomesd")
 MATCH_ORDERS = ("grid", "feature")
 _SCHEDULE_PROBES = 11  # a ratio callable is checked at progress 0, 0.1, ..., 1 when the config is made
 
@@ -135,7 +137,8 @@ def _checked_unused_ratio(value: Any, where: str) -> float:
 class ToMeConfig:
     """Settings of ToMe for Stable Diffusion. The defaults are tomesd's (the paper's settings) except
     ``max_downsample``: ``"auto"`` here, 1 in tomesd (the same level on SD 1.x/2.x, level 2 instead of nothing on
-    SDXL); every option that tomesd lacks is off by default.
+    SDXL), and ``policy="auto"``, which on GPU kernels skips blocks too small to pay and pools keys and values where
+    it pays (on CPU kernels it merges as tomesd); every other option that tomesd lacks is off by default.
 
     Args:
         ratio: share of the tokens merged in every patched block, ``0 <= ratio < 1 - 1/(sx*sy)`` (0.75 for the
@@ -174,14 +177,13 @@ class ToMeConfig:
             as two small matrices per window, and merge and unmerge are one batched matmul each (few kernel
             launches, a fixed summation order, memory that grows as ``N * window**2``).
         match_order: how ``match_window``'s windows are cut: ``"grid"`` (the default: tiles of the token grid) or
-            ``"feature"``: like the cells of a k-d tree over the tokens' directions. The src and the dst are each
-            sorted by their cosine with the mean token and cut into equal parts, each part is sorted along the main
-            direction the mean does not explain and cut again, then along the next one, up to four levels (the
-            window count's prime factors, e.g. 2 x 2 x 3 x 3 for 36 windows), into windows of the same sizes as
-            grid windows: a window holds tokens that point the same way wherever they are on the grid. Same
-            matching work and memory, as close to vanilla as global matching (measured); a plan costs about 80-130
-            more operators (one sort per level, a small ``[B, C, C]`` eigen-problem), and on a GPU merge and
-            unmerge use one ``gather_nd`` each instead of a ``gather`` and a reshape. Needs ``match_window``.
+            ``"feature"``: along the tokens' directions. One step of spherical k-means from tiles of the grid
+            groups the tokens (at most 64 clusters), the clusters are ordered by their centroid's cosine with the
+            mean token, and the src and the dst are each sorted by cluster and cut into equal runs: a window holds
+            tokens that point the same way wherever they are on the grid, with the sizes and the matching work of
+            grid windows. A plan costs about 20 more operators than in grid order (56-58 against 35 at 16
+            windows, GPU kernels), and on a GPU merge and unmerge use one ``gather_nd`` each instead of a
+            ``gather`` and a reshape. Needs ``match_window``.
         share_plan: ``"block"`` (the default: every block matches its own input, as in tomesd) or ``"level"``: the
             first merging block at each token count plans, and the others at that count reuse its plan in the
             same call (and, with ``recompute_every``, across steps).
@@ -194,6 +196,16 @@ class ToMeConfig:
             plan, ``share_plan="level"``, brings it back to 42) and a float64 ``[B, 3N/4, C]`` buffer during the
             merge. No effect on a CPU (deterministic either way) or with ``match_window`` (the dense
             local plan has no atomics).
+        policy: ``"auto"`` (the default) or ``"tomesd"``. ``"tomesd"`` merges every eligible block as tomesd
+            does, on any device. ``"auto"`` does the same on CPU kernels; on GPU kernels it skips the blocks whose
+            attention work is below ``min_work`` and, where merging pays and the plan settings are the defaults,
+            pools the keys and values instead of matching (see :mod:`ppdiffusers_tome.policy`). Settings you
+            give always keep their plan; ``tome_status`` says what was chosen per level and why.
+        min_work: the ``"auto"`` policy's threshold on a block's attention work, ``batch * tokens**2``: blocks
+            below it are skipped. ``None`` (the default) means, on GPU kernels, 2**26 where the policy pools (512 px
+            with one image is skipped, 768 px with one image pools) and 2**28 where the settings keep their plan
+            (512 px with eight images merges), and 0 on CPU kernels; ``0`` merges everywhere.
+            ``bench --calibrate`` measures the break-even on your GPU. Not allowed with ``policy="tomesd"``.
 
     >>> ToMeConfig(ratio=0.3).tokens_to_merge(4096)
     1228
@@ -221,6 +233,8 @@ class ToMeConfig:
     share_plan: str = "block"
     min_tokens: int = 0
     deterministic: bool = False
+    policy: str = "auto"
+    min_work: Optional[int] = None
 
     def __post_init__(self) -> None:
         # every value is checked by type before any comparison (an array or a tensor compared with a str or an int
@@ -300,6 +314,22 @@ class ToMeConfig:
                 f"min_tokens must be an integer >= 0 (merge only where batch * tokens reaches it); got {_shown(self.min_tokens)}"
             )
         store("min_tokens", int(self.min_tokens))
+        policy = _as_choice(self.policy, POLICIES)
+        if policy is None:
+            raise ValueError(f"policy must be one of {POLICIES}; got {_shown(self.policy)}")
+        store("policy", policy)
+        work = self.min_work
+        if work is not None and (not _is_int(work) or work < 0):
+            raise ValueError(
+                "min_work must be None (the policy's default: 2**26 or 2**28 on GPU kernels, 0 on CPU kernels) or an integer "
+                f">= 0 (merge only in blocks where batch * tokens**2 reaches it); got {_shown(work)}"
+            )
+        if work is not None and policy == "tomesd":
+            raise ValueError(
+                f"min_work={_shown(work)} is a threshold of policy='auto'; policy='tomesd' merges every eligible block. "
+                "Leave min_work=None with policy='tomesd', or use policy='auto'"
+            )
+        store("min_work", None if work is None else int(work))
 
     def _checked_ratio(self, ratio: Any) -> RatioSpec:
         todo = self.method == "todo"

@@ -98,7 +98,7 @@ class SublayerHooks:
         if x.shape[0] != plan.batch_size or x.shape[1] != plan.num_tokens:
             return None  # e.g. chunked feed-forward: leave such calls alone
         if isinstance(plan, DownsamplePlan):  # ToDo: queries stay, keys/values come from the downsampled tokens
-            if kwargs.get("encoder_hidden_states") is not None:
+            if not self.self_attention or kwargs.get("encoder_hidden_states") is not None:
                 return None  # not self-attention after all (only_cross_attention blocks)
             state.begin_merge(self.key, None)
             return args, dict(kwargs, encoder_hidden_states=plan.keys_values(x))

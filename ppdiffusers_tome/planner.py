@@ -1,8 +1,9 @@
 """Which plan a block call gets: the one place that decides (tomesd's ``compute_merge``).
 
 For every transformer block call, :meth:`Planner.plan_for` answers in this order: does anything merge at all; which
-token grid and level is this block at, and is that level merged; is the block below ``min_tokens``; ToDo's
-downsampling; a plan shared by an earlier block of the call (``share_plan="level"``); a plan kept from an earlier
+token grid and level is this block at, and is that level merged; is the block below ``min_tokens``; what the
+policy says for its size and kernels (skip, K/V pooling, or the settings' plan, see
+:mod:`~ppdiffusers_tome.policy`); ToDo's downsampling; a plan shared by an earlier block of the call (``share_plan="level"``); a plan kept from an earlier
 step (``recompute_every``); else a new plan, from matching inside windows (``match_window``) or over the whole grid.
 What one call needs (its size, timestep, the partition tables drawn for it) is read from and written to
 :class:`~ppdiffusers_tome.state.ToMeState`.
@@ -11,25 +12,26 @@ What one call needs (its size, timestep, the partition tables drawn for it) is r
 from __future__ import annotations
 
 import math
-from typing import Any, List, Optional, Tuple
+from typing import Any
 
 import paddle
 
 from .config import ToMeConfig, check_ratio, ratio_at, tokens_to_merge
 from .hooks import TENSOR_TYPES
 from .ops.downsample import DownsamplePlan
-from .ops.feature_order import DEFAULT_SQUARINGS
+from .ops.feature_order import feature_partition_table
 from .ops.global_plan import MergePlan, bipartite_soft_matching_random2d
 from .ops.local_plan import LocalMergePlan
 from .ops.partition import find_downsample, partition_table, step_key
 from .ops.runtime import converting
 from .ops.windows import window_partition_table, window_sides
+from .policy import POOL, SKIP, Policy
 from .state import ToMeState, ToMeStaticGraphError
 
 __all__ = ["Planner", "finest_block_level"]
 
 
-def finest_block_level(model: Any, blocks: List[Tuple[str, Any]]) -> Optional[int]:
+def finest_block_level(model: Any, blocks: list[tuple[str, Any]]) -> int | None:
     """The smallest downsampling factor at which any of ``blocks`` runs, read from the model's structure (a UNet's
     or ControlNet's ``down_blocks``/``mid_block``/``up_blocks`` and their down/upsamplers), over the whole model:
     for a UNet whose 1x transformer blocks are only in the up path it is 1 although the down path reaches its
@@ -74,7 +76,7 @@ class Planner:
     (1, None)
     """
 
-    def __init__(self, config: ToMeConfig, state: ToMeState, model: Any, blocks: List[Tuple[str, Any]]):
+    def __init__(self, config: ToMeConfig, state: ToMeState, model: Any, blocks: list[tuple[str, Any]]):
         self.config = config
         self.state = state
         self.num_blocks = len(blocks)
@@ -88,13 +90,14 @@ class Planner:
         self.merges_something = self.todo or config.merge_attn or config.merge_crossattn or config.merge_mlp
         # transformer-only models (DiT, PixArt-alpha): the token grid is the patch grid
         patch_size = getattr(model, "patch_size", None) if getattr(model, "is_input_patches", False) else None
-        self.patch_size: Optional[int] = int(patch_size) if patch_size else None
-        self.auto_finest: Optional[int] = None  # with "auto": the finest block level of the model, when known
+        self.patch_size: int | None = int(patch_size) if patch_size else None
+        self.auto_finest: int | None = None  # with "auto": the finest block level of the model, when known
         if self.auto_level and self.patch_size is None:
             self.auto_finest = finest_block_level(model, blocks)
-        self.grid_without_cells: Optional[Tuple[int, int]] = None  # a grid too small for one sy x sx cell
-        self.rounded_to_nothing: Optional[Tuple[int, float]] = None  # (tokens, ratio) where int(tokens*ratio) = 0
-        self.squarings = DEFAULT_SQUARINGS  # feature order's power iterations are 2**squarings (for experiments)
+        self.policy = Policy(config)  # skip, pool or the settings' plan, by the size of the work (see policy.py)
+        self.model_name = type(model).__name__
+        self.grid_without_cells: tuple[int, int] | None = None  # a grid too small for one sy x sx cell
+        self.rounded_to_nothing: tuple[int, float] | None = None  # (tokens, ratio) where int(tokens*ratio) = 0
 
     # the decision -----------------------------------------------------------------------------------------------
     def plan_for(self, block_index: int, hidden: Any) -> Any:
@@ -112,6 +115,15 @@ class Planner:
         if self.config.min_tokens and self._below_min_tokens(hidden):
             state.blocks_skipped += 1
             return None
+        decision = self.policy.decide(hidden)
+        state.record_decision(decision)
+        if decision.action == SKIP:
+            state.blocks_skipped += 1
+            self.policy.log_first_skip(decision, self.model_name)
+            return None
+        if decision.action == POOL:
+            state.blocks_pooled += 1
+            return DownsamplePlan(hidden.shape[1], hidden.shape[0], grid_h, grid_w, 2, "nearest")
         if not self.todo and grid_h // self.config.sy * (grid_w // self.config.sx) == 0:
             self.grid_without_cells = (grid_h, grid_w)  # no dst at all: an identity, not worth planning
             return None
@@ -130,7 +142,7 @@ class Planner:
             state.share_plan(tokens, plan)
         return plan
 
-    def grid_of(self, num_tokens: int) -> Optional[Tuple[int, int, int]]:
+    def grid_of(self, num_tokens: int) -> tuple[int, int, int] | None:
         """``(level, grid_h, grid_w)`` of a block with ``num_tokens`` tokens in the call in flight, or None."""
         latent_h, latent_w = self.state.latent_hw
         if self.patch_size is not None:  # every block of a patch transformer runs on the patch grid
@@ -141,7 +153,7 @@ class Planner:
             return None
         return level, math.ceil(latent_h / level), math.ceil(latent_w / level)
 
-    def _grid_if_merging(self, hidden: Any) -> Optional[Tuple[int, int, int]]:
+    def _grid_if_merging(self, hidden: Any) -> tuple[int, int, int] | None:
         """``(level, grid_h, grid_w)`` of the block input ``hidden`` when this block merges in this call."""
         if self.state.latent_hw is None or not isinstance(hidden, TENSOR_TYPES) or hidden.ndim != 3:
             return None
@@ -172,7 +184,7 @@ class Planner:
         return check_ratio(ratio_at(config.ratio, progress), config.sx, config.sy, f"(progress={progress:.3f})")
 
     def _cached_or_new(self, block_index: int, hidden: Any, grid_h: int, grid_w: int, ratio: float
-                       ) -> Optional[MergePlan]:
+                       ) -> MergePlan | None:
         """A new plan, or under ``recompute_every`` the one cached for this block (or level) and step; None when
         ``ratio`` merges nothing here. A ratio of 0 (a schedule's "off") merges nothing even when a plan is cached."""
         if ratio <= 0:
@@ -209,7 +221,7 @@ class Planner:
         )
 
     def local_plan(self, block_index: int, hidden: Any, grid_h: int, grid_w: int, ratio: float
-                   ) -> Optional[LocalMergePlan]:
+                   ) -> LocalMergePlan | None:
         """Match the block input within windows of about ``match_window`` tokens per side; each window merges
         ``int(ratio * window tokens)`` of its src. None when no window holds a cell or nothing would merge."""
         config = self.config
@@ -222,8 +234,7 @@ class Planner:
             return None
         partition = self.window_partition(block_index, grid_h, grid_w, wy, wx)
         windows = (grid_h, grid_w, wy, wx, config.sx, config.sy)
-        return LocalMergePlan.from_matching(hidden, windows, partition, window_r, order=config.match_order,
-                                            squarings=self.squarings)
+        return LocalMergePlan.from_matching(hidden, windows, partition, window_r, order=config.match_order)
 
     # partitions: one table per call and grid, for every block at once ----------------------------------------------
     def partition(self, block_index: int, grid_h: int, grid_w: int) -> Any:
@@ -239,15 +250,16 @@ class Planner:
         return table[block_index]
 
     def window_partition(self, block_index: int, grid_h: int, grid_w: int, wy: int, wx: int) -> Any:
-        """Block ``block_index``'s ``[W, T]`` window-local partition for local matching in the call in flight (drawn
-        once per call, grid and window for every block; top-left dst without ``use_rand``)."""
-        call, key = self.state.call, f"{grid_h}x{grid_w}/{wy}x{wx}"
+        """Block ``block_index``'s partition for local matching in the call in flight (drawn once per call, grid and
+        window for every block; top-left dst without ``use_rand``): ``[W, T]`` window-local, or in feature order the
+        ``[N]`` grid positions of every window's src, then dst."""
+        config = self.config
+        call, key = self.state.call, f"{grid_h}x{grid_w}/{wy}x{wx}/{config.match_order}"
         table = call.partitions[key] if key in call.partitions else None
         if table is None:
-            config = self.config
             step = self._step_key() if config.use_rand else None
-            table = window_partition_table(grid_h, grid_w, wy, wx, config.sx, config.sy, step, config.seed,
-                                           self.num_blocks)
+            make = feature_partition_table if config.match_order == "feature" else window_partition_table
+            table = make(grid_h, grid_w, wy, wx, config.sx, config.sy, step, config.seed, self.num_blocks)
             call.partitions[key] = table
         return table[block_index]
 

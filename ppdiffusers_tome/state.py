@@ -223,7 +223,7 @@ class ToMeState:
     """
 
     COUNTERS = ("calls", "merges", "plans_computed", "plans_reused", "plans_shared", "blocks_skipped",
-                "warned_no_merge", "warned_timestep_range")
+                "blocks_pooled", "warned_no_merge", "warned_timestep_range")
 
     def __init__(self, config: ToMeConfig, train_timesteps: int = 1000, num_blocks: int = 1):
         self.config = config
@@ -249,9 +249,15 @@ class ToMeState:
         self.plans_computed = 0
         self.plans_reused = 0  # taken from the step cache (recompute_every)
         self.plans_shared = 0  # taken from an earlier block of the same call (share_plan="level")
-        self.blocks_skipped = 0  # blocks that would merge but are below min_tokens
+        self.blocks_skipped = 0  # blocks that would merge but are below min_tokens or the policy's min_work
+        self.blocks_pooled = 0  # blocks whose keys and values the policy pooled instead of merging
+        self.decisions: Dict[int, Any] = {}  # tokens -> the policy's latest decision at that size
         self.warned_no_merge = False
         self.warned_timestep_range = False
+
+    def record_decision(self, decision: Any) -> None:
+        """Keep the policy's decision for block calls of its token count (what ``tome_status`` reports)."""
+        self.decisions[decision.tokens] = decision
 
     # copies: settings and counters, no call in flight (thread-locals and locks cannot be copied or pickled) --------
     def __deepcopy__(self, memo) -> "ToMeState":

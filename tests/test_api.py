@@ -225,10 +225,12 @@ def test_from_pretrained_of_a_local_tiny_pipeline_then_apply(tmp_path):
 
 def test_stats_count_blocks_calls_and_merges():
     pipe = tiny_sd_pipeline().apply_tome(ratio=0.5)
-    zero = {"blocks": 7, "calls": 0, "merges": 0, "plans_computed": 0, "plans_reused": 0, "plans_shared": 0, "blocks_skipped": 0}
+    zero = {"blocks": 7, "calls": 0, "merges": 0, "plans_computed": 0, "plans_reused": 0, "plans_shared": 0, "blocks_skipped": 0,
+                "blocks_pooled": 0}
     assert ppdiffusers_tome.tome_stats(pipe) == {"unet": zero}
     run(pipe, steps=2)
-    after = {"blocks": 7, "calls": 2, "merges": 6, "plans_computed": 6, "plans_reused": 0, "plans_shared": 0, "blocks_skipped": 0}
+    after = {"blocks": 7, "calls": 2, "merges": 6, "plans_computed": 6, "plans_reused": 0, "plans_shared": 0, "blocks_skipped": 0,
+                "blocks_pooled": 0}
     assert ppdiffusers_tome.tome_stats(pipe) == {"unet": after}
 
 

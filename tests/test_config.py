@@ -152,8 +152,8 @@ def test_every_field_accepts_a_plain_equivalent_or_raises_a_value_error_naming_i
         assert "\n" not in message and len(message) < 400, message  # one readable line, even for a tensor
         return
     stored = getattr(config, field)
-    if stored is None:  # only match_window has None among its values (global matching)
-        assert field == "match_window" and value is None
+    if stored is None:  # only match_window (global matching) and min_work (the policy's default) take None
+        assert field in ("match_window", "min_work") and value is None
         return
     # accepted: then it is stored as the plain Python value, never as an array, a tensor or a numpy scalar
     assert type(stored) in PLAIN, (field, kind, type(stored))

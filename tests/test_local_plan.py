@@ -159,3 +159,24 @@ def test_local_matching_needs_a_small_fraction_of_global_temporaries(kind, order
     plan = local_plan()
     applied = peak_of(lambda: plan.unmerge(plan.merge(x)))
     assert applied <= 3 * token_copy  # merge + unmerge: their outputs and the window-ordered input
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_a_dense_local_plan_holds_its_two_matrices_in_the_tokens_dtype_and_nothing_else(dtype, kernels, monkeypatch):
+    """At [16, 16384, 320] with 16 x 16 windows and ratio 0.5 a dense local plan keeps two matrices of
+    B * W * T * Mw entries each (W = 64 windows per image, T = 256 tokens, Mw = 128 rows): 2 * 16 * 64 * 256 * 128
+    entries, 256 MiB in float32 and 128 MiB in float16 (no float32 copy next to the half one)."""
+    kernels("gpu")
+    batch, tokens, channels = 16, 16384, 320
+    x = paddle.to_tensor(np.random.default_rng(1).standard_normal((batch, tokens, channels)).astype("float32"))
+    x = x.astype(dtype)
+    table = window_partition_table(128, 128, 16, 16, 2, 2, step_key(3), seed=0, blocks=1)
+    core = paddle.base.core
+    with half_kernels(monkeypatch):
+        LocalMergePlan.from_matching(x, (128, 128, 16, 16, 2, 2), table[0], 128)  # (constant tables cached here)
+        before = core.host_memory_stat_current_value("Allocated", 0)
+        plan = LocalMergePlan.from_matching(x, (128, 128, 16, 16, 2, 2), table[0], 128)
+        held = core.host_memory_stat_current_value("Allocated", 0) - before
+    matrices = 2 * batch * 64 * 256 * 128 * (4 if dtype == "float32" else 2)
+    assert str(plan.merge_matrix.dtype).endswith(dtype) and str(plan.unmerge_matrix.dtype).endswith(dtype)
+    assert matrices <= held <= matrices + 2**20, (held / 2**20, matrices / 2**20)

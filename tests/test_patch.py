@@ -1,4 +1,5 @@
-"""The patch of one model: hooks merge and unmerge exactly where tomesd does, sizes and timesteps are read from the\ncall, and removal, errors, copies and repeated apply/remove leave the model as it was."""
+"""The patch of one model: hooks merge and unmerge exactly where tomesd does, sizes and timesteps are read from the
+call, and removal, errors, copies and repeated apply/remove leave the model as it was."""
 
 import warnings
 
@@ -153,7 +154,8 @@ def test_apply_and_remove_from_a_step_callback_take_effect_at_the_next_step():
         return kwargs
 
     run(pipe, steps=5, callback_on_step_end=callback)
-    expected = {"blocks": 7, "calls": 2, "merges": 6, "plans_computed": 6, "plans_reused": 0, "plans_shared": 0, "blocks_skipped": 0}
+    expected = {"blocks": 7, "calls": 2, "merges": 6, "plans_computed": 6, "plans_reused": 0, "plans_shared": 0, "blocks_skipped": 0,
+                "blocks_pooled": 0}
     assert log == [expected]  # steps 1 and 2 merged, 3 blocks each
     assert get_patch(pipe.unet) is None
 

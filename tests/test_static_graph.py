@@ -10,8 +10,10 @@ import ppdiffusers_tome
 from ppdiffusers_tome.ops import partition, windows
 from ppdiffusers_tome.ops.cache import clear_cache
 from ppdiffusers_tome.patch import ToMeStaticGraphError
-from ppdiffusers_tome.testing import tiny_unet
+from ppdiffusers_tome.testing import gpu_kernels, tiny_unet
 from tests.unet_calls import unet_inputs
+
+UNET = "UNet2DConditionModel"
 
 
 class NoisePredictor(paddle.nn.Layer):
@@ -190,3 +192,36 @@ def test_min_tokens_refuses_a_dynamic_batch_with_a_clear_error(tmp_path):
     inputs = unet_inputs(unet)
     with paddle.no_grad():
         np.testing.assert_allclose(fixed(*inputs).numpy(), unet(*inputs).sample.numpy(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("options, action", [({}, "skip"), ({"min_work": 0}, "pool")], ids=["skips", "pools"])
+def test_the_default_policy_on_gpu_kernels_exports_with_a_dynamic_batch(tmp_path, options, action):
+    """On GPU kernels a program with a dynamic batch gets the policy's decision for the assumed batch (2): at 256
+    tokens the default skips every block (the program is vanilla's), with ``min_work=0`` it pools keys and values;
+    the loaded program equals the eager model at batch 1, 2 and 3."""
+    unet = small_unet()
+    inputs = {}
+    rng = np.random.default_rng(3)
+    for batch in (1, 2, 3):
+        inputs[batch] = (paddle.to_tensor(rng.standard_normal((batch, 4, 16, 16)).astype("float32")),
+                         paddle.full([batch], 700, dtype="int64"),
+                         paddle.to_tensor(rng.standard_normal((batch, 5, 32)).astype("float32")))
+    model = NoisePredictor(unet)
+    model.eval()
+    with paddle.no_grad():
+        vanilla = {batch: model(*args).numpy() for batch, args in inputs.items()}
+    unet.apply_tome(**options)
+    with gpu_kernels():
+        static = paddle.jit.to_static(model, input_spec=DYNAMIC_SPEC, full_graph=True)
+        path = str(tmp_path / "unet")
+        paddle.jit.save(static, path)
+        loaded = paddle.jit.load(path)
+        for batch, args in inputs.items():
+            with paddle.no_grad():
+                eager = model(*args).numpy()
+            np.testing.assert_allclose(loaded(*args).numpy(), eager, rtol=1e-5, atol=1e-5)
+            if action == "skip":
+                np.testing.assert_array_equal(eager, vanilla[batch])
+            else:
+                assert np.abs(eager - vanilla[batch]).max() > 1e-4
+    assert ppdiffusers_tome.tome_status(unet)[UNET]["policy"][256]["action"] == action

@@ -1,0 +1,144 @@
+"""The policy: whether a block call that could merge is worth merging on the kernels that run it, and with what.
+
+``policy="tomesd"``: every eligible block merges as tomesd does, on any device (the settings say how).
+
+``policy="auto"`` (the default):
+
+* **CPU kernels**: as ``"tomesd"``. Attention there is computed in full, so merging pays at every size (the CPU
+  tables of docs/benchmarks.md), unless ``min_work`` is set.
+* **GPU kernels**: a block call is skipped when its attention work ``batch * tokens**2`` is below ``min_work``
+  (unless set: :data:`POOL_MIN_WORK` where the policy pools, :data:`MERGE_MIN_WORK` where it keeps the settings'
+  plan): with flash attention a plan's kernel launches cost more than the attention it saves there. Where it pays,
+  a block with the default plan settings gets K/V pooling (every query kept, keys and values taken from the top-left
+  token of every 2 x 2 cell: three cheap operators, no matching), which was both the fastest plan and the closest to
+  vanilla in every table (docs/gpu.md); settings that shape the plan (``match_window``, ``share_plan``,
+  ``deterministic``, ``merge_crossattn``, ``merge_mlp``, ``recompute_every``, a ratio schedule, a ratio below
+  :data:`POOL_MIN_RATIO`, strides other than 2, ``method="todo"``) keep their plan.
+
+A program traced with a dynamic batch cannot read its batch size: the decision then assumes
+:data:`ASSUMED_BATCH` (one image with classifier-free guidance), so it depends on shapes known when tracing only.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from .config import ToMeConfig
+from .ops.runtime import device_kind, tracing
+
+__all__ = ["ASSUMED_BATCH", "MERGE_MIN_WORK", "POOL_MIN_RATIO", "POOL_MIN_WORK", "Decision", "Policy",
+           "pools_by_default"]
+
+logger = logging.getLogger(__name__)
+
+# The H100 tables of docs/gpu.md, by attention work batch * tokens**2. K/V pooling lost at 3.4e7 (512 px, one image:
+# 0.92-0.96x eager) and gained from 1.7e8 up (768 px, one image: 1.02-1.17x); 2**26 = 6.7e7 sits between the two on a
+# log scale. The plans that match tokens (tomesd's, the shared dense plan) lost up to 1.7e8 and broke even at
+# 2.7e8 = 2**28 (512 px, eight images: 0.96-1.08x), gaining above it.
+POOL_MIN_WORK = 2**26
+MERGE_MIN_WORK = 2**28
+ASSUMED_BATCH = 2
+POOL_MIN_RATIO = 0.3  # the smallest ratio at which K/V pooling was measured closer to vanilla than merging
+
+MERGE, POOL, SKIP = "merge", "pool", "skip"
+
+
+class Decision:
+    """What the policy chose for block calls of one shape: ``action`` (``"merge"``: the settings' plan, ``"pool"``:
+    K/V pooling, ``"skip"``: no merging), on ``kernels``, for ``batch`` (``-1``: dynamic) x ``tokens``."""
+
+    def __init__(self, action: str, kernels: str, batch: int, tokens: int, work: int, threshold: int, policy: str):
+        self.action, self.kernels, self.batch, self.tokens = action, kernels, batch, tokens
+        self.work, self.threshold, self.policy = work, threshold, policy
+
+    def why(self) -> str:
+        """One line: the numbers behind the choice."""
+        batch = f"batch {self.batch}" if self.batch >= 0 else f"dynamic batch (assumed {ASSUMED_BATCH})"
+        size = f"{batch} x {self.tokens} tokens on {self.kernels.upper()} kernels: batch * tokens**2 = {self.work:.3g}"
+        if self.policy == "tomesd":
+            return f"{size}; policy='tomesd' merges every eligible block"
+        if self.action == SKIP:
+            return f"{size} < min_work = {self.threshold:.3g}: merging would cost more than it saves"
+        plan = "K/V pooling (the cheapest plan, closest to vanilla)" if self.action == POOL else "the settings' plan"
+        return f"{size} >= min_work = {self.threshold:.3g}: {plan}"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"action": self.action, "kernels": self.kernels, "batch": self.batch, "tokens": self.tokens,
+                "work": self.work, "min_work": self.threshold, "why": self.why()}
+
+
+class Policy:
+    """The choice for one patched model (see the module docstring); :meth:`decide` is called once per block call
+    that could merge, and answers from a dict after the first call of each shape.
+
+    >>> import paddle
+    >>> policy = Policy(ToMeConfig())
+    >>> policy.decide(paddle.zeros([2, 4096, 8]), "gpu").action, policy.decide(paddle.zeros([2, 16384, 8]), "gpu").action
+    ('skip', 'pool')
+    >>> policy.decide(paddle.zeros([2, 4096, 8]), "cpu").action
+    'merge'
+    """
+
+    def __init__(self, config: ToMeConfig):
+        self.name = config.policy
+        self.auto = config.policy == "auto"
+        self.min_work = config.min_work
+        self.pools = self.auto and pools_by_default(config)
+        self._decisions: dict[tuple[str, int, int], Decision] = {}
+        self.warned = False
+
+    def decide(self, hidden: Any, kernels: str | None = None) -> Decision:
+        """The decision for a block input ``hidden`` (``[B, N, C]``) on ``kernels`` (default: its place)."""
+        kernels = kernels or device_kind(hidden)
+        batch = hidden.shape[0]
+        batch = -1 if batch is None or batch < 0 else int(batch)
+        tokens = int(hidden.shape[1])
+        key = f"{kernels}/{batch}/{tokens}"  # (a str key and no dict.get: what Paddle's SOT tracer can follow)
+        if key in self._decisions:
+            return self._decisions[key]
+        decision = self._decide(kernels, batch, tokens)
+        self._decisions[key] = decision
+        return decision
+
+    def _decide(self, kernels: str, batch: int, tokens: int) -> Decision:
+        work = (batch if batch >= 0 else ASSUMED_BATCH) * tokens * tokens
+        if not self.auto:
+            return Decision(MERGE, kernels, batch, tokens, work, 0, self.name)
+        pools = kernels == "gpu" and self.pools
+        if self.min_work is not None:
+            threshold = self.min_work
+        elif kernels == "gpu":
+            threshold = POOL_MIN_WORK if pools else MERGE_MIN_WORK
+        else:
+            threshold = 0
+        if work < threshold:
+            action = SKIP
+        else:
+            action = POOL if pools else MERGE
+        return Decision(action, kernels, batch, tokens, work, threshold, self.name)
+
+    def log_first_skip(self, decision: Decision, model_name: str) -> None:
+        """Log the first skip of this patch, once, naming the options that force merging (not while tracing)."""
+        if self.warned or tracing():
+            return
+        self.warned = True
+        logger.warning(
+            "ToMe skips blocks of %s with %s. Pass min_work=0 (or policy='tomesd') to apply_tome to merge them anyway.",
+            model_name, decision.why(),
+        )
+
+
+def pools_by_default(config: ToMeConfig) -> bool:
+    """Whether the settings leave the plan to the policy: the defaults of every plan-shaping option and a constant
+    ratio of at least :data:`POOL_MIN_RATIO`.
+
+    >>> pools_by_default(ToMeConfig()), pools_by_default(ToMeConfig(share_plan="level")), pools_by_default(ToMeConfig(ratio=0.2))
+    (True, False, False)
+    """
+    return (
+        config.method == "tome" and config.match_window is None and config.share_plan == "block"
+        and not config.deterministic and config.merge_attn and not config.merge_crossattn and not config.merge_mlp
+        and config.recompute_every == 1 and not config.is_scheduled and config.ratio >= POOL_MIN_RATIO
+        and config.sx == 2 and config.sy == 2
+    )
