@@ -18,11 +18,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from .. import __version__
-from .presets import DEFAULT_PRESET, available_presets, default_resolution, preset_summary
 from ..quiet import configure_logging, ignore_import_warnings
+from .presets import DEFAULT_PRESET, available_presets, default_resolution, preset_summary
 
 # shapes.shipped.DEMO_PROMPT and bench.BenchSettings.prompt, repeated for the same reason (a test keeps them equal)
 SHAPES_PROMPT = "a large red star at the top left on a blue background"
@@ -52,7 +52,7 @@ def _seed(text: str) -> int:
     return value
 
 
-def _output_folder(path: str) -> Optional[str]:
+def _output_folder(path: str) -> str | None:
     """Why ``path`` cannot become the output folder (an existing file, or a file where a parent folder should be),
     or None."""
     probe = os.path.abspath(path)
@@ -96,7 +96,7 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
         return f"{text} (default: {shown.replace('%', '%%')})"
 
 
-def _presets_epilog(default: Optional[str] = DEFAULT_PRESET) -> str:
+def _presets_epilog(default: str | None = DEFAULT_PRESET) -> str:
     lines = []
     if default is None:  # the demo: the shipped trained model runs unless a preset or a folder is named
         lines += ["model (trained, shipped in the package; the default):",
@@ -169,7 +169,8 @@ def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
                                         "trained 64x64 model)")
     bench.add_argument("--resolutions", type=_resolution, nargs="+", default=None,
                        help="image sizes in pixels (default: the preset's, listed below)")
-    bench.add_argument("--batch-sizes", type=_positive_int, nargs="+", default=[1], help="images per call")
+    bench.add_argument("--batch-sizes", type=_positive_int, nargs="+", default=None,
+                       help="images per call (default 1; with --calibrate 1 and 8)")
     bench.add_argument("--ratios", type=float, nargs="+", default=[0.5], help="ToMe ratios, each in [0, 1)")
     bench.add_argument("--methods", nargs="+", choices=BENCH_METHODS, metavar="METHOD",
                        default=["vanilla", "tome", "tome-efficient", "bound"],
@@ -178,6 +179,10 @@ def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
                        help="extra configurations, e.g. tome:recompute_every=5 'tome:ratio=(0.6,0.3)' "
                             "todo:downsample_factor=4,downsample_mode=average")
     bench.add_argument("--compare-builtin", action="store_true", help="add ppdiffusers' built-in ToMe port")
+    bench.add_argument("--calibrate", action="store_true",
+                       help="GPU only: time vanilla, the policy's plan and tomesd's plan at --resolutions (default "
+                            "512 768 1024) and --batch-sizes, print where merging starts to pay and the min_work "
+                            "line to paste")
     bench.add_argument("--steps", type=_positive_int, default=20, help="denoising steps per pipeline call")
     bench.add_argument("--unet-only", action="store_true", help="time one denoiser forward instead of a pipeline call")
     bench.add_argument("--repeats", type=_positive_int, default=3, help="timed runs per method (median reported)")
@@ -199,7 +204,7 @@ def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
     bench.add_argument("--output", default=os.path.join("outputs", "bench"), help="folder for results.json and plots")
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line ``argv`` (default ``sys.argv[1:]``); returns the exit status (2 on bad input)."""
     ignore_import_warnings()  # (the package's __init__ did it already when this process is the command line)
     args = build_parser().parse_args(argv)

@@ -52,24 +52,99 @@ Modules, one job each:
   runs one; not imported here).
 """
 
-from .devices import DEVICES, CpuDevice, CudaDevice, Device, DeviceMemory, DeviceUnavailable, default_device, \
-    is_out_of_memory, select_device
+from .devices import (
+    DEVICES,
+    CpuDevice,
+    CudaDevice,
+    Device,
+    DeviceMemory,
+    DeviceUnavailable,
+    default_device,
+    is_out_of_memory,
+    select_device,
+)
 from .inputs import DenoiserInputs, control_image, pipeline_kwargs
-from .methods import ALL_METHODS, BenchSettings, BoundPatch, Method, NotSupported, TruncationPlan, builtin_level, \
-    config_kwargs, configure, method_list, parse_variant, set_efficient_attention
+from .methods import (
+    ALL_METHODS,
+    BenchSettings,
+    BoundPatch,
+    Method,
+    NotSupported,
+    TruncationPlan,
+    builtin_level,
+    config_kwargs,
+    configure,
+    method_list,
+    parse_variant,
+    set_efficient_attention,
+)
 from .plots import write_pareto_plot, write_plots
-from .report import effective_speedup, format_details, format_grid_table, format_pareto, format_time_split, \
-    load_cells, merges_nothing, noise_warnings, pareto_front, record, save_json, single_run_note, speedup_text, \
-    spread_warning
+from .report import (
+    effective_speedup,
+    format_details,
+    format_grid_table,
+    format_pareto,
+    format_time_split,
+    load_cells,
+    merges_nothing,
+    noise_warnings,
+    pareto_front,
+    record,
+    save_json,
+    single_run_note,
+    speedup_text,
+    spread_warning,
+)
 from .runner import Cell, Runner, RunOutputs, attention_processor, grid_steps, run_grid
 from .timesplit import SplitClock, time_split
 
 __all__ = [
-    "ALL_METHODS", "BenchSettings", "BoundPatch", "Cell", "CpuDevice", "CudaDevice", "DEVICES", "DenoiserInputs",
-    "Device", "DeviceMemory", "DeviceUnavailable", "Method", "NotSupported", "RunOutputs", "Runner", "SplitClock",
-    "TruncationPlan", "attention_processor", "builtin_level", "config_kwargs", "configure", "control_image",
-    "default_device", "effective_speedup", "format_details", "format_grid_table", "format_pareto", "format_time_split",
-    "grid_steps", "is_out_of_memory", "load_cells", "merges_nothing", "method_list", "noise_warnings", "parse_variant",
-    "pareto_front", "pipeline_kwargs", "record", "run_grid", "save_json", "select_device", "set_efficient_attention",
-    "single_run_note", "speedup_text", "spread_warning", "time_split", "write_pareto_plot", "write_plots",
+    "ALL_METHODS",
+    "DEVICES",
+    "BenchSettings",
+    "BoundPatch",
+    "Cell",
+    "CpuDevice",
+    "CudaDevice",
+    "DenoiserInputs",
+    "Device",
+    "DeviceMemory",
+    "DeviceUnavailable",
+    "Method",
+    "NotSupported",
+    "RunOutputs",
+    "Runner",
+    "SplitClock",
+    "TruncationPlan",
+    "attention_processor",
+    "builtin_level",
+    "config_kwargs",
+    "configure",
+    "control_image",
+    "default_device",
+    "effective_speedup",
+    "format_details",
+    "format_grid_table",
+    "format_pareto",
+    "format_time_split",
+    "grid_steps",
+    "is_out_of_memory",
+    "load_cells",
+    "merges_nothing",
+    "method_list",
+    "noise_warnings",
+    "pareto_front",
+    "parse_variant",
+    "pipeline_kwargs",
+    "record",
+    "run_grid",
+    "save_json",
+    "select_device",
+    "set_efficient_attention",
+    "single_run_note",
+    "speedup_text",
+    "spread_warning",
+    "time_split",
+    "write_pareto_plot",
+    "write_plots",
 ]

@@ -12,21 +12,47 @@ import contextlib
 import logging
 import os
 import sys
+import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, Sequence, Tuple
+from typing import Any
 
-from .. import presets
+import paddle
+
 from ...config import ToMeConfig
+from ...patch import find_blocks
+from ...planner import finest_block_level
+from .. import presets
 from ..measure import environment, set_threads
 from ..progress import ProgressBar
-from .demo import DEMO_LEGEND, SHAPES_CAPTION, demo_grid, demo_label, demo_rows, first_image, format_demo_table, noise_warning, \
-    single_run_note, unstable_runs
+from .calibrate import as_dict as calibration_dict
+from .calibrate import calibrate, format_calibration, gpu_timer
+from .demo import (
+    DEMO_LEGEND,
+    SHAPES_CAPTION,
+    demo_grid,
+    demo_label,
+    demo_rows,
+    first_image,
+    format_demo_table,
+    noise_warning,
+    single_run_note,
+    unstable_runs,
+)
 from .devices import Device, default_device, is_out_of_memory, select_device
-from .inputs import pipeline_kwargs
+from .inputs import DenoiserInputs, pipeline_kwargs
 from .methods import BenchSettings, Method, method_list
 from .plots import write_plots
-from .report import TWIN_LEGEND, format_details, format_grid_table, format_pareto, format_time_split, merges_nothing, \
-    record, save_json
+from .report import (
+    TWIN_LEGEND,
+    format_details,
+    format_grid_table,
+    format_pareto,
+    format_time_split,
+    merges_nothing,
+    record,
+    save_json,
+)
 from .runner import Runner, grid_steps, run_grid
 from .timesplit import time_split
 
@@ -68,7 +94,7 @@ def refuse_other_sizes(native: int, sizes: Sequence[int], option: str) -> None:
                          f"for another size use a preset, e.g. --preset sd15-narrow {option} {other[0]}")
 
 
-def model_layout(args: argparse.Namespace) -> Tuple[Any, int, str]:
+def model_layout(args: argparse.Namespace) -> tuple[Any, int, str]:
     """``(layout, default resolution, label)`` of the model a demo or bench run will build, read from the preset's
     config or the folder's ``unet/config.json`` without building anything (layout ``None``: not a UNet)."""
     if args.model:
@@ -136,7 +162,7 @@ def step_bar(pipe, steps: int, desc: str) -> Iterator[ProgressBar]:
 
 
 # demo --------------------------------------------------------------------------------------------------------------
-def measure_demo(prepared: Prepared, args: argparse.Namespace, size: int) -> Tuple[List[Dict[str, Any]], List[Any]]:
+def measure_demo(prepared: Prepared, args: argparse.Namespace, size: int) -> tuple[list[dict[str, Any]], list[Any]]:
     """Vanilla and ToMe at every ``--ratios`` value, interleaved, at ``size`` px and one image per call, after
     one 1-step warm-up call: the demo's result rows, and the first image of each method's last run."""
     pipe = prepared.pipe
@@ -163,7 +189,7 @@ def _runs(repeats: int) -> str:
     return "ONE timed run per configuration" if repeats == 1 else f"median of {repeats} timed runs"
 
 
-def run_demo(args: argparse.Namespace) -> Dict[str, Any]:
+def run_demo(args: argparse.Namespace) -> dict[str, Any]:
     """``ppdiffusers-tome demo``: table on stdout, ``demo.png`` and ``results.json`` in ``--output``."""
     device = default_device()
     shapes = resolve_model(args)
@@ -215,32 +241,33 @@ def bench_settings(args: argparse.Namespace) -> BenchSettings:
     """The settings of a ``bench`` command line (``--compare-builtin`` adds the ``builtin`` method)."""
     methods = list(args.methods) + (["builtin"] if args.compare_builtin and "builtin" not in args.methods else [])
     return BenchSettings(
-        resolutions=args.resolutions or [model_layout(args)[1]], batch_sizes=args.batch_sizes, ratios=args.ratios,
+        resolutions=args.resolutions or [model_layout(args)[1]], batch_sizes=args.batch_sizes or [1],
+        ratios=args.ratios,
         methods=methods, variants=list(args.variants), steps=args.steps, repeats=args.repeats,
         warmup=max(args.warmup, 0), max_downsample=args.max_downsample, unet_only=args.unet_only, seed=args.seed,
         count_ops=not args.no_op_count,
     )
 
 
-def measure_time_splits(pipe, settings: BenchSettings, device: Device) -> Dict[str, Dict[str, float]]:
+def measure_time_splits(pipe, settings: BenchSettings, device: Device) -> dict[str, dict[str, float]]:
     """The time split of vanilla, ToMe at every ratio and (when measured) the built-in port, at the first
     resolution and batch size; a configuration that runs out of memory is left out."""
     size, batch = settings.resolutions[0], settings.batch_sizes[0]
     methods = [Method("vanilla")] + [Method("tome", r) for r in settings.ratios]
     if "builtin" in settings.methods:
         methods += [Method("builtin", r) for r in settings.ratios]
-    split: Dict[str, Dict[str, float]] = {}
+    split: dict[str, dict[str, float]] = {}
     for method in methods:
         try:
             split[method.label] = time_split(pipe, settings, size, batch, method, device=device)
-        except Exception as error:  # noqa: BLE001
+        except Exception as error:
             if not is_out_of_memory(error):
                 raise
             logger.warning("time split of %s skipped: out of memory", method.label)
     return split
 
 
-def bench_summary(data: Dict[str, Any], cells, settings: BenchSettings, path: str) -> str:
+def bench_summary(data: dict[str, Any], cells, settings: BenchSettings, path: str) -> str:
     """The text ``bench`` prints: a heading, the grid, the details, the Pareto table and the time split."""
     env, split = data["environment"], data["time_split"]
     kind = "one denoiser forward" if settings.unet_only else f"{settings.steps}-step pipeline call"
@@ -264,8 +291,10 @@ def bench_summary(data: Dict[str, Any], cells, settings: BenchSettings, path: st
     return "\n".join(lines) + "\n"
 
 
-def run_bench(args: argparse.Namespace) -> Dict[str, Any]:
+def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     """``ppdiffusers-tome bench``: tables on stdout, ``results.json`` and plots in ``--output``."""
+    if getattr(args, "calibrate", False):
+        return run_calibrate(args)
     device = select_device(args.device)  # a CPU-only build refuses --device gpu here, before anything is built
     dtype = args.dtype or ("float16" if device.name == "gpu" else "float32")
     shapes = resolve_model(args)  # --model shapes
@@ -284,3 +313,54 @@ def run_bench(args: argparse.Namespace) -> Dict[str, Any]:
     save_json(data, path)
     sys.stdout.write(bench_summary(data, cells, settings, path))
     return data
+
+
+# bench --calibrate ---------------------------------------------------------------------------------------------------
+CALIBRATE_RESOLUTIONS, CALIBRATE_IMAGES = (512, 768, 1024), (1, 8)
+
+
+def run_calibrate(args: argparse.Namespace) -> dict[str, Any]:
+    """``ppdiffusers-tome bench --calibrate --device gpu``: the break-even table on stdout, ``calibration.json`` in
+    ``--output``. Refused before anything is built unless a GPU runs it."""
+    if args.device != "gpu":
+        raise ValueError(
+            "--calibrate measures where merging starts to pay on a GPU, so it needs --device gpu. On a CPU "
+            "apply_tome merges at every size by default (policy='auto' is tomesd's there): nothing to calibrate"
+        )
+    device = select_device("gpu")  # a CPU-only build refuses here
+    dtype = args.dtype or "float16"
+    resolutions = args.resolutions or list(CALIBRATE_RESOLUTIONS)
+    images = args.batch_sizes or list(CALIBRATE_IMAGES)
+    resolve_model(args)
+    prepared = prepare(args, dtype, resolutions, max(images), "--resolutions", device)
+    pipe = prepared.pipe
+    points = calibrate(pipe, resolutions, images, lambda size, count: denoiser_forward(pipe, size, count, args.seed),
+                       gpu_timer(device.synchronize, time.perf_counter, args.repeats, max(args.warmup, 1)),
+                       lambda size: finest_tokens(pipe, size))
+    os.makedirs(args.output, exist_ok=True)
+    data = {"command": "bench --calibrate", "source": prepared.source,
+            "environment": environment(prepared.threads, dtype), **calibration_dict(points)}
+    path = os.path.join(args.output, "calibration.json")
+    save_json(data, path)
+    sys.stdout.write(f"ToMe calibration: {prepared.source}, one denoiser forward, {dtype} on "
+                     f"{data['environment']['device']}, {_runs(args.repeats)}\n{format_calibration(points)}wrote {path}\n")
+    return data
+
+
+def denoiser_forward(pipe: Any, size: int, images: int, seed: int):
+    """One no-grad denoiser forward of ``images`` images (UNet batch ``2 * images``) at ``size`` px."""
+    inputs = DenoiserInputs(pipe, size, images, seed)
+
+    def forward():
+        with paddle.no_grad():
+            return inputs.run()
+
+    return forward
+
+
+def finest_tokens(pipe: Any, size: int) -> int:
+    """Tokens of the finest level with transformer blocks of ``pipe``'s UNet at ``size`` px."""
+    latent = size // getattr(pipe, "vae_scale_factor", 8)
+    level = finest_block_level(pipe.unet, find_blocks(pipe.unet)) or 1
+    side = -(-latent // level)
+    return side * side
