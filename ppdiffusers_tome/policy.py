@@ -11,9 +11,9 @@
   plan): with flash attention a plan's kernel launches cost more than the attention it saves there. Where it pays,
   a block with the default plan settings gets K/V pooling (every query kept, keys and values taken from the top-left
   token of every 2 x 2 cell: three cheap operators, no matching), which was both the fastest plan and the closest to
-  vanilla in every table (docs/gpu.md); settings that shape the plan (``match_window``, ``share_plan``,
-  ``deterministic``, ``merge_crossattn``, ``merge_mlp``, ``recompute_every``, a ratio schedule, a ratio below
-  :data:`POOL_MIN_RATIO`, strides other than 2, ``method="todo"``) keep their plan.
+  vanilla in every table (docs/gpu.md). Any option that shapes the plan, set to other than its default
+  (``match_window``, ``share_plan``, ``use_rand``, ``seed``, ``method``, ...), a ratio schedule or a ratio below
+  :data:`POOL_MIN_RATIO` keeps the settings' plan: an option a user sets wins over the policy.
 
 A program traced with a dynamic batch cannot read its batch size: the decision then assumes
 :data:`ASSUMED_BATCH` (one image with classifier-free guidance), so it depends on shapes known when tracing only.
@@ -22,6 +22,7 @@ A program traced with a dynamic batch cannot read its batch size: the decision t
 from __future__ import annotations
 
 import logging
+from dataclasses import fields
 from typing import Any
 
 from .config import ToMeConfig
@@ -130,15 +131,20 @@ class Policy:
 
 
 def pools_by_default(config: ToMeConfig) -> bool:
-    """Whether the settings leave the plan to the policy: the defaults of every plan-shaping option and a constant
-    ratio of at least :data:`POOL_MIN_RATIO`.
+    """Whether the settings leave the plan to the policy: every option that shapes the plan at its default (only
+    ``ratio``, ``max_downsample``, ``min_tokens`` and the policy's own options set) and a constant ratio of at least
+    :data:`POOL_MIN_RATIO`. An option a user sets wins over the policy.
 
     >>> pools_by_default(ToMeConfig()), pools_by_default(ToMeConfig(share_plan="level")), pools_by_default(ToMeConfig(ratio=0.2))
     (True, False, False)
+    >>> pools_by_default(ToMeConfig(use_rand=False)), pools_by_default(ToMeConfig(max_downsample=2))
+    (False, True)
     """
-    return (
-        config.method == "tome" and config.match_window is None and config.share_plan == "block"
-        and not config.deterministic and config.merge_attn and not config.merge_crossattn and not config.merge_mlp
-        and config.recompute_every == 1 and not config.is_scheduled and config.ratio >= POOL_MIN_RATIO
-        and config.sx == 2 and config.sy == 2
-    )
+    if config.is_scheduled or config.ratio < POOL_MIN_RATIO:
+        return False
+    return all(getattr(config, field.name) == field.default for field in fields(ToMeConfig)
+               if field.name not in _POLICY_FREE)
+
+
+# the options that do not shape a plan: how much, where, and the policy's own
+_POLICY_FREE = frozenset({"ratio", "max_downsample", "min_tokens", "policy", "min_work"})

@@ -165,11 +165,16 @@ def test_pooling_is_todo_with_factor_2_on_the_same_blocks():
 @pytest.mark.parametrize("options", [
     dict(share_plan="level"), dict(match_window=8), dict(deterministic=True), dict(merge_mlp=True),
     dict(recompute_every=2), dict(ratio=(0.6, 0.3)), dict(ratio=POOL_MIN_RATIO / 2), dict(sx=1, ratio=0.4),
+    dict(use_rand=False), dict(seed=7), dict(method="todo", downsample_factor=4),
 ])
 def test_settings_that_shape_the_plan_keep_it_where_the_policy_merges(options):
     assert not pools_by_default(ToMeConfig(**options))
     plan, decision, _ = planned(dict(options, min_work=0), 2, 256)
-    assert decision["action"] == "merge" and not isinstance(plan, DownsamplePlan)
+    assert decision["action"] == "merge"
+    if options.get("method") == "todo":  # the user's ToDo, not the policy's pooling
+        assert plan.factor == 4
+    else:
+        assert not isinstance(plan, DownsamplePlan)
 
 
 def test_min_work_moves_the_threshold_on_any_kernels():
