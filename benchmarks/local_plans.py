@@ -124,10 +124,10 @@ def measure_cell(pipe, resolution: int, vae_scale: int, seeds: int, configs: Dic
 
 
 def count_gpu_ops(pipe, vae_scale: int, configs: Dict[str, Any], latent: int = 32) -> Dict[str, Dict[str, float]]:
-    """Eager ops added by each configuration, GPU branch forced, at a ``latent x latent`` latent: per merging block
-    and per call. The count does not depend on the size, except for ``match_order="feature"``, whose plan sorts once
-    per level of its cut, and the levels follow the window count: :func:`main` counts those at each cell's own
-    size."""
+    """Eager ops added by each configuration's own plan, GPU branch forced, at a ``latent x latent`` latent: per
+    merging block and per call. The configurations are counted under ``policy="tomesd"`` (unless they set the policy),
+    since the default policy skips such small blocks on GPU kernels. The count does not depend on the size; feature
+    order, whose cost did in earlier versions, is counted again at each cell's own size by :func:`main`."""
     with gpu_kernels():
         sample, timestep, context = unet_inputs(pipe.unet, latent * vae_scale, vae_scale, 0)
 
@@ -141,7 +141,8 @@ def count_gpu_ops(pipe, vae_scale: int, configs: Dict[str, Any], latent: int = 3
         for name, options in configs.items():
             if options is None:
                 continue
-            apply(pipe, options)
+            own_plan = options if "policy" in options or "min_work" in options else dict(options, policy="tomesd")
+            apply(pipe, own_plan)
             patched = count_forward_ops(run, pipe.unet)
             added = patched.total - vanilla.total
             counts[name] = {"merging_blocks": patched.merging_blocks, "per_call": added,
