@@ -11,7 +11,7 @@ import os as _os
 import sys as _sys
 from typing import Any as _Any, List as _List, Optional as _Optional, Sequence as _Sequence
 
-__version__ = "0.9.0"
+__version__ = "0.10.0"
 
 
 def _cli_args(
