@@ -4,6 +4,7 @@
 >>> from ppdiffusers_tome.testing import tiny_sd_pipeline
 >>> pipe = tiny_sd_pipeline().apply_tome(ratio=0.5)
 >>> pipe = pipe.remove_tome()
+>>> pipe = pipe.apply_cache(interval=3).remove_cache()   # step caching (DeepCache-style), composes with ToMe
 """
 
 import importlib as _importlib
@@ -11,7 +12,7 @@ import os as _os
 import sys as _sys
 from typing import Any as _Any, List as _List, Optional as _Optional, Sequence as _Sequence
 
-__version__ = "0.10.0"
+__version__ = "0.11.0"
 
 
 def _cli_args(
@@ -43,7 +44,8 @@ _LAZY = {
     "tome_status": "api", "tome_stats": "api", "uninstall_methods": "api", "ToMeConfig": "config",
     "DownsamplePlan": "ops.downsample", "MergePlan": "ops.global_plan",
     "bipartite_soft_matching_random2d": "ops.global_plan", "cache_info": "ops.cache", "clear_cache": "ops.cache",
-    "downsample_tokens": "ops.downsample",
+    "downsample_tokens": "ops.downsample", "apply_cache": "step_cache", "remove_cache": "step_cache",
+    "reset_cache": "step_cache", "cache_status": "step_cache", "CacheConfig": "step_cache",
 }
 
 
@@ -82,6 +84,7 @@ if not _cli_help_only():
     from .ops.cache import cache_info, clear_cache
     from .ops.downsample import DownsamplePlan, downsample_tokens
     from .ops.global_plan import MergePlan, bipartite_soft_matching_random2d
+    from .step_cache import CacheConfig, apply_cache, cache_status, remove_cache, reset_cache
 
     _quiet_import.__exit__(None, None, None)
 
@@ -103,4 +106,9 @@ __all__ = [
     "cache_info",
     "install_methods",
     "uninstall_methods",
+    "CacheConfig",
+    "apply_cache",
+    "remove_cache",
+    "reset_cache",
+    "cache_status",
 ]

@@ -14,6 +14,7 @@ from ppdiffusers import DiffusionPipeline, ModelMixin
 
 from .config import RatioSpec, ToMeConfig
 from .patch import PATCH_LOCK, ModelPatch, find_blocks, get_patch
+from .step_cache import apply_cache, get_cache, remove_cache
 
 logger = logging.getLogger(__name__)
 
@@ -427,7 +428,9 @@ def tome_status(obj: Any) -> Dict[str, Dict[str, Any]]:
     * ``"blocks"``: how many transformer blocks it patched (0 when none);
     * ``"policy"`` (this package only): what the policy chose at each token count seen so far, ``{tokens:
       {"action", "kernels", "batch", "tokens", "work", "min_work", "why"}}``; ``action`` is ``"merge"`` (the
-      settings' plan), ``"pool"`` (K/V pooling) or ``"skip"``, and ``why`` says it in one line with the numbers.
+      settings' plan), ``"pool"`` (K/V pooling) or ``"skip"``, and ``why`` says it in one line with the numbers;
+    * ``"cache"``: the step cache on the model (:func:`ppdiffusers_tome.apply_cache`), as
+      :func:`~ppdiffusers_tome.step_cache.cache_status` gives it, or ``None``.
 
     Example:
         >>> import ppdiffusers_tome
@@ -450,6 +453,8 @@ def tome_status(obj: Any) -> Dict[str, Dict[str, Any]]:
         if patch is not None:
             decisions = dict(patch.state.decisions)
             status[name]["policy"] = {tokens: decisions[tokens].as_dict() for tokens in sorted(decisions)}
+        cache = get_cache(model)
+        status[name]["cache"] = None if cache is None else cache.status()
     return status
 
 
@@ -507,15 +512,29 @@ _apply_method.__signature__ = inspect.signature(apply_tome).replace(  # what hel
 _remove_method.__doc__ = remove_tome.__doc__
 _apply_method.__name__, _remove_method.__name__ = "apply_tome", "remove_tome"
 
+def _apply_cache_method(self, *args, **kwargs):
+    return apply_cache(self, *args, **kwargs)
+
+
+def _remove_cache_method(self):
+    return remove_cache(self)
+
+
+_apply_cache_method.__doc__, _remove_cache_method.__doc__ = apply_cache.__doc__, remove_cache.__doc__
+_apply_cache_method.__name__, _remove_cache_method.__name__ = "apply_cache", "remove_cache"
+
 _METHOD_OWNERS = (DiffusionPipeline, ModelMixin)
+_METHODS = (("apply_tome", _apply_method), ("remove_tome", _remove_method), ("apply_cache", _apply_cache_method),
+            ("remove_cache", _remove_cache_method))
 _saved_methods: Dict[Tuple[type, str], Any] = {}
 
 
 def install_methods() -> None:
     """Make ``apply_tome``/``remove_tome`` methods of ``DiffusionPipeline`` and ``ModelMixin`` call this package
-    (taking precedence over ppdiffusers' built-in port). Runs on ``import ppdiffusers_tome``; idempotent."""
+    (taking precedence over ppdiffusers' built-in port), and add ``apply_cache``/``remove_cache``. Runs on
+    ``import ppdiffusers_tome``; idempotent."""
     for owner in _METHOD_OWNERS:
-        for name, method in (("apply_tome", _apply_method), ("remove_tome", _remove_method)):
+        for name, method in _METHODS:
             if (owner, name) not in _saved_methods:
                 _saved_methods[(owner, name)] = owner.__dict__.get(name)
             setattr(owner, name, method)

@@ -267,7 +267,7 @@ def test_tome_status_tells_ours_from_the_builtin_port_with_settings():
     pipe = tiny_controlnet_pipeline()
     blocks = {name: len(find_blocks(getattr(pipe, name))) for name in ("unet", "controlnet")}
     off = ppdiffusers_tome.tome_status(pipe)
-    assert off == {name: {"active": None, "settings": None, "blocks": 0} for name in blocks}
+    assert off == {name: {"active": None, "settings": None, "blocks": 0, "cache": None} for name in blocks}
 
     pipe.apply_tome(ratio=0.4, merge_crossattn=True)
     ours = ppdiffusers_tome.tome_status(pipe)
