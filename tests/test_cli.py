@@ -29,7 +29,8 @@ def test_demo_writes_table_png_and_json(tmp_path, capsys):
     assert "vanilla" in out and out.count("tome") >= 2 and "speed-up" in out
     record = read_record(tmp_path)
     rows = record["results"]
-    assert [(r["method"], r["ratio"]) for r in rows] == [("vanilla", 0.0), ("tome", 0.3), ("tome", 0.5)]
+    assert [(r["method"], r["ratio"], r["cache"]) for r in rows] == [
+        ("vanilla", 0.0, None), ("tome", 0.3, None), ("tome", 0.5, None), ("tome", 0.5, 3)]  # + the step cache row
     assert rows[0]["speedup"] == 1.0 and rows[0]["max_abs_diff"] == 0.0 and rows[0]["psnr_db"] == "inf"
     for row in rows[1:]:
         assert row["seconds_per_image"] > 0 and row["unet_seconds"] > 0 and row["peak_memory_bytes"] > 0
@@ -39,9 +40,10 @@ def test_demo_writes_table_png_and_json(tmp_path, capsys):
     with Image.open(tmp_path / "demo.png") as png:
         png.verify()
     with Image.open(tmp_path / "demo.png") as png:
-        # vanilla, two ratios, difference, each enlarged to a readable tile under a label row of its own, and a
-        # scale bar under the difference (a preset's images need no caption)
-        layout = row_layout([(32, 32)] * 4, ["vanilla", "ToMe 0.30", "ToMe 0.50", "|diff| x4 (0.50)"])
+        # vanilla, two ratios, the cache row, difference, each enlarged to a readable tile under a label row of its
+        # own, and a scale bar under the difference (a preset's images need no caption)
+        labels = ["vanilla", "ToMe 0.30", "ToMe 0.50", "ToMe 0.50 + cache 3", "|diff| x4 (ToMe 0.50 + cache 3)"]
+        layout = row_layout([(32, 32)] * 5, labels)
         assert png.size[0] == layout.size[0] and layout.size[1] < png.size[1] < layout.size[1] + 40
         assert min(layout.tile) >= MIN_TILE
 
@@ -60,16 +62,16 @@ def test_demo_json_is_strict_json(tmp_path):
 def test_demo_runs_a_controlnet_preset(tmp_path):
     args = ["demo", "--preset", "tiny-controlnet", "--resolution", "32", "--steps", "1", "--ratios", "0.5"]
     assert main([*args, "--repeats", "1", "--threads", "1", "--output", str(tmp_path)]) == 0
-    assert len(read_record(tmp_path)["results"]) == 2
+    assert len(read_record(tmp_path)["results"]) == 3  # vanilla, ToMe, ToMe + cache
 
 
 def test_demo_loads_a_local_pipeline_folder(tmp_path):
     pipe = preset_pipeline("tiny")
     pipe.save_pretrained(str(tmp_path / "model"))
     args = ["demo", "--model", str(tmp_path / "model"), "--resolution", "32", "--steps", "1", "--ratios", "0.5"]
-    assert main([*args, "--threads", "1", "--output", str(tmp_path / "out")]) == 0
+    assert main([*args, "--threads", "1", "--cache", "0", "--output", str(tmp_path / "out")]) == 0
     record = read_record(tmp_path / "out")
-    assert record["source"].endswith("model") and len(record["results"]) == 2
+    assert record["source"].endswith("model") and len(record["results"]) == 2  # --cache 0: no step cache row
 
 
 @pytest.mark.parametrize(

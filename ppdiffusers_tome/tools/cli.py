@@ -28,7 +28,7 @@ from .presets import DEFAULT_PRESET, available_presets, default_resolution, pres
 SHAPES_PROMPT = "a large red star at the top left on a blue background"
 DEFAULT_PROMPT = "a lighthouse on a cliff at sunset, detailed oil painting"
 # bench.ALL_METHODS, repeated here so that ``--help`` does not import bench (and Paddle); a test keeps them equal
-BENCH_METHODS = ("vanilla", "tome", "tome-efficient", "todo", "todo-efficient", "builtin", "bound")
+BENCH_METHODS = ("vanilla", "tome", "tome-efficient", "todo", "todo-efficient", "builtin", "bound", "cache")
 
 
 def _positive_int(text: str) -> int:
@@ -121,6 +121,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _cache_interval(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0 or str(value) != text.strip():
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0 (0: no step cache row); got {text!r}")
+    return value
+
+
 def _add_demo_parser(sub: argparse._SubParsersAction) -> None:
     demo = sub.add_parser(
         "demo", help="vanilla vs ToMe side by side: table, PNG grid, JSON", formatter_class=_HelpFormatter,
@@ -142,6 +152,9 @@ def _add_demo_parser(sub: argparse._SubParsersAction) -> None:
                            "model's own sample size)")
     demo.add_argument("--ratios", type=float, nargs="+", default=[0.3, 0.5], help="ToMe ratios to compare")
     demo.add_argument("--max-downsample", type=_level, default="auto", help="ToMe max_downsample (auto, 1, 2, 4 or 8)")
+    demo.add_argument("--cache", type=_cache_interval, default=3,
+                      help="add ToMe at the largest ratio with a step cache of this interval (a full UNet pass every "
+                           "CACHE steps); 0 leaves that row out")
     demo.add_argument("--steps", type=_positive_int, default=None,
                       help="denoising steps (default: 20 for the shapes model, 8 for a preset or --model)")
     demo.add_argument("--repeats", type=_positive_int, default=3, help="timed runs per method (median reported)")

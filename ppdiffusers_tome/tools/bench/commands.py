@@ -163,8 +163,9 @@ def step_bar(pipe, steps: int, desc: str) -> Iterator[ProgressBar]:
 
 # demo --------------------------------------------------------------------------------------------------------------
 def measure_demo(prepared: Prepared, args: argparse.Namespace, size: int) -> tuple[list[dict[str, Any]], list[Any]]:
-    """Vanilla and ToMe at every ``--ratios`` value, interleaved, at ``size`` px and one image per call, after
-    one 1-step warm-up call: the demo's result rows, and the first image of each method's last run."""
+    """Vanilla, ToMe at every ``--ratios`` value and (unless ``--cache 0``) ToMe at the largest ratio with a step
+    cache of interval ``--cache``, interleaved, at ``size`` px and one image per call, after one 1-step warm-up
+    call: the demo's result rows, and the first image of each method's last run."""
     pipe = prepared.pipe
     logger.info("warming up (%s, %dx%d)", prepared.source, size, size)
     with step_bar(pipe, 1, "warm-up"):
@@ -173,9 +174,13 @@ def measure_demo(prepared: Prepared, args: argparse.Namespace, size: int) -> tup
                              repeats=args.repeats, warmup=0, max_downsample=args.max_downsample, seed=args.seed,
                              prompt=args.prompt, guidance_scale=args.guidance_scale, count_ops=False)
     methods = [Method("vanilla")] + [Method("tome", float(r)) for r in args.ratios]
+    if getattr(args, "cache", 0):  # the step cache with the largest ratio: merging takes the finest level, the cache the rest
+        methods.append(Method("tome", float(max(args.ratios)), cache={"interval": args.cache}))
 
     def bar(method: Method, repeat: int):
-        return step_bar(pipe, args.steps, f"{demo_label(method.name, method.ratio)} run {repeat + 1}/{args.repeats}")
+        interval = method.cache["interval"] if method.cache else None
+        label = demo_label(method.name, method.ratio, interval)
+        return step_bar(pipe, args.steps, f"{label} run {repeat + 1}/{args.repeats}")
 
     runner = Runner(pipe, settings, around_run=bar)
     cells = runner.run_cell(size, 1, methods)

@@ -28,9 +28,18 @@ DEMO_LEGEND = (
 )
 
 
-def demo_label(method: str, ratio: float) -> str:
-    """``"vanilla"`` or ``"ToMe 0.50"``: how the demo names a row."""
-    return "vanilla" if method == "vanilla" else f"ToMe {ratio:.2f}"
+def demo_label(method: str, ratio: float, cache: int | None = None) -> str:
+    """``"vanilla"``, ``"ToMe 0.50"`` or ``"ToMe 0.50 + cache 3"``: how the demo names a row.
+
+    >>> demo_label("tome", 0.5), demo_label("tome", 0.5, 3)
+    ('ToMe 0.50', 'ToMe 0.50 + cache 3')
+    """
+    label = "vanilla" if method == "vanilla" else f"ToMe {ratio:.2f}"
+    return label if cache is None else f"{label} + cache {cache}"
+
+
+def row_label(row: dict[str, Any]) -> str:
+    return demo_label(row["method"], row["ratio"], row.get("cache"))
 
 
 def first_image(outputs: RunOutputs) -> np.ndarray:
@@ -59,6 +68,7 @@ def demo_rows(cells: Sequence[Cell], outputs: dict[str, RunOutputs]) -> list[dic
             "runs_seconds": list(cell.runs_seconds),
             "speedup_range": list(speedup_range(cells[0].runs_seconds, cell.runs_seconds)),
             "merges_nothing": merges_nothing(cell),  # vanilla's twin: its speed-up is shown as "= vanilla"
+            "cache": (cell.options.get("cache") or {}).get("interval"),  # the step cache's interval, or None
         })
     return rows
 
@@ -86,7 +96,7 @@ def format_demo_table(rows: list[dict[str, Any]]) -> str:
     for row in rows:
         lines.append(
             [
-                row["method"],
+                row["method"] if row.get("cache") is None else f"{row['method']} + cache {row['cache']}",
                 f"{row['ratio']:.2f}",
                 f"{row['seconds_per_image']:.2f}",
                 f"{row['unet_seconds']:.3f}",
@@ -119,7 +129,7 @@ def demo_grid(rows: Sequence[dict[str, Any]], images: Sequence[np.ndarray], capt
     labelled; a scale bar under the difference (black 0, white 1/DIFF_GAIN or more, in pixel values 0..1) and
     ``caption`` under the row."""
     diff = np.clip(np.abs(images[-1] - images[0]) * DIFF_GAIN, 0, 1)
-    labels = [demo_label(r["method"], r["ratio"]) for r in rows] + [f"|diff| x{DIFF_GAIN:g} ({rows[-1]['ratio']:.2f})"]
+    labels = [row_label(r) for r in rows] + [f"|diff| x{DIFF_GAIN:g} ({row_label(rows[-1])})"]
     tiles = list(images) + [diff]
     layout = row_layout([(tile.shape[1], tile.shape[0]) for tile in tiles], labels)
     return annotate(image_grid(tiles, labels), layout.tile_boxes[-1], "diff 0", f">= {1 / DIFF_GAIN:g}", caption)
@@ -133,7 +143,7 @@ def unstable_runs(rows: Sequence[dict[str, Any]], tolerance: float = 0.25) -> li
     ...                {"method": "tome", "ratio": 0.5, "runs_seconds": [0.5, 0.52, 0.51]}])
     ['vanilla 1.00-4.00 s']
     """
-    return unstable([(demo_label(row["method"], row["ratio"]), row["runs_seconds"]) for row in rows], tolerance)
+    return unstable([(row_label(row), row["runs_seconds"]) for row in rows], tolerance)
 
 
 def noise_warning(rows: Sequence[dict[str, Any]], tolerance: float = 0.25) -> str | None:
@@ -141,6 +151,6 @@ def noise_warning(rows: Sequence[dict[str, Any]], tolerance: float = 0.25) -> st
     :func:`unstable_runs` and :func:`~ppdiffusers_tome.tools.bench.report.spread_warning`): the range each speed-up
     could take judged by single runs, and whether that range includes 1.00x (then the speed-up is not
     meaningful). ``None`` when the runs agree. ``rows[0]`` is vanilla."""
-    named = [(demo_label(row["method"], row["ratio"]), row["runs_seconds"]) for row in rows]
+    named = [(row_label(row), row["runs_seconds"]) for row in rows]
     ranged = [name for (name, _), row in zip(named[1:], rows[1:]) if not row.get("merges_nothing")]
     return spread_warning(named, tolerance, ranged=ranged)

@@ -15,9 +15,11 @@ from ... import api
 from ...config import ToMeConfig
 from ...patch import ModelPatch
 from ...planner import Planner
+from ...step_cache import CONFIG_FIELDS as CACHE_FIELDS
+from ...step_cache import CacheConfig, apply_cache, remove_cache
 
-ALL_METHODS = ("vanilla", "tome", "tome-efficient", "todo", "todo-efficient", "builtin", "bound")
-RATIO_FREE = ("vanilla", "todo", "todo-efficient")  # methods that do not run once per --ratios value
+ALL_METHODS = ("vanilla", "tome", "tome-efficient", "todo", "todo-efficient", "builtin", "bound", "cache")
+RATIO_FREE = ("vanilla", "todo", "todo-efficient", "cache")  # methods that do not run once per --ratios value
 APPLIED = ("tome", "tome-efficient", "todo", "todo-efficient")  # methods that are this package's apply_tome
 _SHORT_OPTION = {"downsample_factor": "f", "downsample_mode": "mode", "recompute_every": "k", "max_downsample": "level"}
 
@@ -60,10 +62,15 @@ class Method:
     name: str
     ratio: float = 0.0
     options: dict[str, Any] = field(default_factory=dict)
+    cache: dict[str, Any] | None = None  # apply_cache options (the "cache" method, or "cache=k" on a tome/todo variant)
 
     @property
     def label(self) -> str:
         label = self.name if self.name in RATIO_FREE or "ratio" in self.options else f"{self.name}@{self.ratio:g}"
+        if self.cache is not None:
+            extra = ",".join(f"{k}={v}".replace(" ", "") for k, v in self.cache.items() if k != "interval")
+            cache = f"cache{self.cache.get('interval', 3)}" + (f"[{extra}]" if extra else "")
+            label = cache if self.name == "cache" else f"{label}+{cache}"
         if self.options:
             parts = []
             for key, value in self.options.items():
@@ -110,21 +117,33 @@ def _split_top_level(text: str) -> list[str]:
 
 def parse_variant(text: str) -> Method:
     """``"todo:downsample_factor=4,downsample_mode=average"`` -> a :class:`Method` with those options (validated
-    by :class:`ToMeConfig`). Values are Python literals; bare words are strings.
+    by :class:`ToMeConfig`). Values are Python literals; bare words are strings. ``cache:interval=2`` is the step
+    cache alone (options of :class:`~ppdiffusers_tome.step_cache.CacheConfig`); ``cache=k`` on a tome or todo
+    variant adds a step cache with ``interval=k``.
 
     >>> parse_variant("tome:recompute_every=5,ratio=(0.6,0.3)").label
     'tome[k=5,ratio=0.6-0.3]'
+    >>> parse_variant("cache:interval=2").label, Method("tome", 0.5, cache=parse_variant("tome:cache=3").cache).label
+    ('cache2', 'tome@0.5+cache3')
     """
     name, _, rest = text.partition(":")
     name = name.strip()
+    if name == "cache":
+        return _cache_variant(text, rest)
     if name not in APPLIED:
-        raise ValueError(f"--variants: the method before ':' must be tome, tome-efficient, todo or todo-efficient; got {text!r}")
+        raise ValueError(f"--variants: the method before ':' must be tome, tome-efficient, todo, todo-efficient or "
+                         f"cache; got {text!r}")
     options: dict[str, Any] = {}
+    cache = None
     for item in _split_top_level(rest):
         key, eq, value = item.partition("=")
         key = key.strip()
         if not eq or not key:
             raise ValueError(f"--variants: expected option=value in {text!r}; got {item!r}")
+        if key == "cache":
+            cache = {"interval": _literal(value)}
+            CacheConfig(**cache)
+            continue
         if key == "method" or key not in ToMeConfig.__dataclass_fields__:
             allowed = sorted(set(ToMeConfig.__dataclass_fields__) - {"method"})
             raise ValueError(f"--variants: unknown option {key!r} in {text!r}; options are {', '.join(allowed)}")
@@ -134,9 +153,30 @@ def parse_variant(text: str) -> Method:
             options[key] = value.strip()
         if isinstance(options[key], list):
             options[key] = tuple(options[key])
-    method = Method(name, float(options["ratio"]) if isinstance(options.get("ratio"), (int, float)) else 0.0, options)
+    method = Method(name, float(options["ratio"]) if isinstance(options.get("ratio"), (int, float)) else 0.0, options,
+                    cache)
     ToMeConfig(**config_kwargs(method))  # validate now, not after minutes of vanilla runs
     return method
+
+
+def _literal(value: str) -> Any:
+    try:
+        return ast.literal_eval(value.strip())
+    except (ValueError, SyntaxError):
+        return value.strip()
+
+
+def _cache_variant(text: str, rest: str) -> Method:
+    options: dict[str, Any] = {}
+    for item in _split_top_level(rest):
+        key, eq, value = item.partition("=")
+        key = key.strip()
+        if not eq or key not in CACHE_FIELDS:
+            raise ValueError(f"--variants: expected option=value with options {', '.join(CACHE_FIELDS)} in {text!r}; "
+                             f"got {item!r}")
+        options[key] = _literal(value)
+    CacheConfig(**options)
+    return Method("cache", 0.0, {}, options or {"interval": 3})
 
 
 def config_kwargs(method: Method, max_downsample: Any = "auto") -> dict[str, Any]:
@@ -161,9 +201,12 @@ def _expand_variant(text: str, settings: BenchSettings) -> list[Method]:
             f"--variants {text!r}: {' and '.join(across_steps)} act across denoising steps, which one denoiser "
             "forward (--unet-only) does not have; measure it with pipeline calls"
         )
-    if variant.name.startswith("todo") or "ratio" in variant.options:
+    if settings.unet_only and variant.cache is not None:
+        raise ValueError(f"--variants {text!r}: a step cache acts across denoising steps, which one denoiser forward "
+                         "(--unet-only) does not have; measure it with pipeline calls")
+    if variant.name.startswith("todo") or variant.name == "cache" or "ratio" in variant.options:
         return [variant]
-    return [Method(variant.name, float(r), dict(variant.options)) for r in settings.ratios]
+    return [Method(variant.name, float(r), dict(variant.options), variant.cache) for r in settings.ratios]
 
 
 def method_list(settings: BenchSettings) -> list[Method]:
@@ -172,7 +215,12 @@ def method_list(settings: BenchSettings) -> list[Method]:
     for name in settings.methods:
         if name not in ALL_METHODS:
             raise ValueError(f"--methods must be among {ALL_METHODS}; got {name!r}")
-        if name in RATIO_FREE:
+        if name == "cache":
+            if settings.unet_only:
+                raise ValueError("--methods cache: a step cache acts across denoising steps, which one denoiser "
+                                 "forward (--unet-only) does not have; measure it with pipeline calls")
+            methods.append(Method(name, cache={"interval": 3}))
+        elif name in RATIO_FREE:
             methods.append(Method(name))
         else:
             methods.extend(Method(name, float(r)) for r in settings.ratios)
@@ -202,8 +250,11 @@ def builtin_level(pipe, max_downsample: Any) -> int:
 def configure(pipe, method: Method, max_downsample: Any) -> None:
     """Put ``pipe`` in the state that ``method`` measures."""
     api.remove_tome(pipe)
+    remove_cache(pipe)
     set_efficient_attention(pipe, False)
-    if method.name == "vanilla":
+    if method.cache is not None:
+        apply_cache(pipe, **method.cache)
+    if method.name in ("vanilla", "cache"):
         return
     if method.name in APPLIED:
         api.apply_tome(pipe, **config_kwargs(method, max_downsample))

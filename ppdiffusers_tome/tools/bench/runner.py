@@ -172,7 +172,7 @@ class Runner:
         each, interleaved (drift on a shared machine hits every method alike). Out of memory ends a method's runs
         with status ``OOM``, a missing kernel with ``n/a``; any other error propagates."""
         s = self.settings
-        cells = {m.label: Cell(size, batch, m.name, m.ratio, m.label, dict(m.options)) for m in methods}
+        cells = {m.label: Cell(size, batch, m.name, m.ratio, m.label, _cell_options(m)) for m in methods}
         self.outputs = {}
         for repeat in range(s.warmup + s.repeats):
             for method in methods:
@@ -272,3 +272,12 @@ def grid_steps(settings: BenchSettings) -> int:
     """Measurements in a grid, for a progress bar."""
     per_cell = len(method_list(settings)) * (settings.warmup + settings.repeats)
     return per_cell * len(settings.resolutions) * len(settings.batch_sizes)
+
+
+def _cell_options(method: Method) -> dict:
+    """What a cell records besides its method and ratio: the ``apply_tome`` options, and ``cache`` (the
+    ``apply_cache`` options) when a step cache is on."""
+    options = dict(method.options)
+    if method.cache is not None:
+        options["cache"] = dict(method.cache)
+    return options
