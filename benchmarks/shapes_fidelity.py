@@ -1,7 +1,8 @@
 """What merging does to images a person can judge: the shipped shapes model, scored by the shipped classifier (#20).
 
-The paper's FID table in miniature. For every configuration (vanilla, ToMe at 0.3 / 0.5 / 0.6, ToDo, and
-ppdiffusers' built-in port at 0.5) and every seed, the shipped pipeline draws one image per held-out caption
+The paper's FID table in miniature. For every configuration (vanilla, ToMe at 0.3 / 0.5 / 0.6, ToDo,
+ppdiffusers' built-in port at 0.5, the step cache with interval 3 alone and with ToMe 0.5; ``--configs`` picks
+some) and every seed, the shipped pipeline draws one image per held-out caption
 (captions of dataset images the model never saw, one object each, so that the caption names all four labels),
 from the same initial latents for every configuration (generator seed = seed x 1000 + batch). Per configuration,
 mean and seed-to-seed standard deviation of:
@@ -51,6 +52,8 @@ CONFIGS: Dict[str, Method] = {
     "ToMe 0.6": Method("tome", 0.6),
     "ToDo": Method("todo"),
     "built-in 0.5": Method("builtin", 0.5),
+    "cache 3": Method("cache", cache={"interval": 3}),
+    "ToMe 0.5 + cache 3": Method("tome", 0.5, cache={"interval": 3}),
 }
 
 
@@ -163,9 +166,9 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         real[head] = {"mean": real["accuracy"][head], "sd": 0.0}
     real["feature_distance"] = mean_sd([shapes_classifier.feature_distance(model, s, reference) for s in real_sets])
 
-    per_config: Dict[str, List[Dict[str, Any]]] = {name: [] for name in CONFIGS}
+    names = ["vanilla"] + [name for name in (args.configs or list(CONFIGS)) if name != "vanilla"]
+    per_config: Dict[str, List[Dict[str, Any]]] = {name: [] for name in names}
     grid_images: Dict[str, np.ndarray] = {}
-    names = list(CONFIGS)
     for seed in range(args.seeds):
         order = ["vanilla"] + names[1:][seed % (len(names) - 1):] + names[1:][:seed % (len(names) - 1)]
         results: Dict[str, Dict[str, Any]] = {}
@@ -219,6 +222,8 @@ def main(argv: Sequence[str] = None) -> int:
     parser.add_argument("--grid", type=int, default=6, help="captions shown in grid.png")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
     parser.add_argument("--output", default=os.path.join("outputs", "shapes_fidelity"))
+    parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=None, metavar="NAME",
+                        help=f"configurations to score (default: all; vanilla always): {', '.join(CONFIGS)}")
     parser.add_argument("--render", default=None, help="print the tables of an earlier results.json and exit")
     args = parser.parse_args(argv)
     if args.render:
