@@ -105,7 +105,8 @@ def test_notebook_controlnet_ratio_todo_and_demo_sections(executed):
     assert ns["rejected"] is True
     assert ns["todo_status"]["settings"]["method"] == "todo" and 20 < ns["psnr_todo"] < float("inf")
     record = ns["demo_record"]
-    assert [row["method"] for row in record["results"]] == ["vanilla", "tome", "tome"]
+    assert [(row["method"], row["cache"]) for row in record["results"]] == [
+        ("vanilla", None), ("tome", None), ("tome", None), ("tome", 3)]  # ToMe 0.3, 0.5, 0.5 + step cache
     assert os.path.isfile(os.path.join(ns["demo_dir"], "demo.png"))
     printed = "".join(out for out, _ in outputs)
     # the demo's table, and the cell that reads its results.json

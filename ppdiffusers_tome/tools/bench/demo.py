@@ -129,7 +129,9 @@ def demo_grid(rows: Sequence[dict[str, Any]], images: Sequence[np.ndarray], capt
     labelled; a scale bar under the difference (black 0, white 1/DIFF_GAIN or more, in pixel values 0..1) and
     ``caption`` under the row."""
     diff = np.clip(np.abs(images[-1] - images[0]) * DIFF_GAIN, 0, 1)
-    labels = [row_label(r) for r in rows] + [f"|diff| x{DIFF_GAIN:g} ({row_label(rows[-1])})"]
+    last = rows[-1]
+    against = f"{last['ratio']:.2f}" if last.get("cache") is None else row_label(last)
+    labels = [row_label(r) for r in rows] + [f"|diff| x{DIFF_GAIN:g} ({against})"]
     tiles = list(images) + [diff]
     layout = row_layout([(tile.shape[1], tile.shape[0]) for tile in tiles], labels)
     return annotate(image_grid(tiles, labels), layout.tile_boxes[-1], "diff 0", f">= {1 / DIFF_GAIN:g}", caption)
