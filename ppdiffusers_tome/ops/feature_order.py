@@ -18,9 +18,9 @@ import paddle
 import paddle.nn.functional as F
 
 from .cache import CACHE, const
+from .partition import variant_index
 from .runtime import dtype_name, tracing
 from .similarity import normalize_rows, similarity_dtype
-from .partition import variant_index
 from .windows import Windows, best_in_windows, windows
 
 __all__ = ["cluster_keys", "feature_partition_table", "match_feature_windows", "tile_sides"]

@@ -180,21 +180,30 @@ class MergePlan:
         added onto their dst's row (one ``index_add``: in order on a CPU, with float atomics on a GPU, where the last
         bits of a sum may differ run to run; see :class:`GroupMergePlan`). No buffer is zeroed or kept for it.
         """
-        if mode not in MERGE_MODES:
-            raise ValueError(f"mode must be one of {MERGE_MODES}, got {mode!r}")
-        self.check(x, self.num_tokens, "merge")
-        if self.is_identity:
+        if self._checked_merge(x, mode):
             return x
         channels, work = x.shape[-1], compute_dtype(x.dtype)
-        flat = x.reshape([-1, channels])
-        if dtype_name(x.dtype) != work:
-            flat = flat.astype(work)
-        if mode == "mean":
-            flat = flat * self._row_scale(work)
+        flat = self._weighted_rows(x, mode, work)
         # (the gathered base is this method's own buffer: added to in place, the result always rebound, as a static
         # program needs)
         out = paddle.gather(flat, self.keep_rows).index_add_(self.merge_targets, 0, paddle.gather(flat, self.merge_rows))
         return out.astype(x.dtype).reshape([-1, self.merged_tokens, channels])
+
+    def _checked_merge(self, x: paddle.Tensor, mode: str) -> bool:
+        """Check a merge's arguments; True when the plan merges nothing (the merge is ``x`` itself)."""
+        if mode not in MERGE_MODES:
+            raise ValueError(f"mode must be one of {MERGE_MODES}, got {mode!r}")
+        self.check(x, self.num_tokens, "merge")
+        return self.is_identity
+
+    def _weighted_rows(self, x: paddle.Tensor, mode: str, work: str) -> paddle.Tensor:
+        """``x`` as ``[B*N, C]`` rows in the working dtype ``work``, each weighted by ``1/(1+k)`` for a mean."""
+        flat = x.reshape([-1, x.shape[-1]])
+        if dtype_name(x.dtype) != work:
+            flat = flat.astype(work)
+        if mode == "mean":
+            flat = flat * self._row_scale(work)
+        return flat
 
     def _row_scale(self, work: str) -> paddle.Tensor:
         """``1/(1+k)`` for every input row, in ``work`` (float64 tokens get float64 weights, not float32 ones)."""
@@ -250,10 +259,7 @@ class GroupMergePlan(MergePlan):
         self.kept_rows, self.group_sizes = kept.reshape([-1]), sizes.astype("float64").unsqueeze(-1)
 
     def merge(self, x: paddle.Tensor, mode: str = "mean") -> paddle.Tensor:
-        if mode not in MERGE_MODES:
-            raise ValueError(f"mode must be one of {MERGE_MODES}, got {mode!r}")
-        self.check(x, self.num_tokens, "merge")
-        if self.is_identity:
+        if self._checked_merge(x, mode):
             return x
         channels = x.shape[-1]
         num_dst, kept = self.num_tokens - self.num_src, self.num_src - self.r

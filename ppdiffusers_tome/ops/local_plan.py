@@ -29,7 +29,7 @@ from paddle import _C_ops
 
 from .cache import CACHE
 from .feature_order import match_feature_windows
-from .global_plan import MERGE_MODES, MergePlan
+from .global_plan import MergePlan
 from .runtime import compute_dtype, device_kind, dtype_name, tracing
 from .windows import Windows, match_windows, windows
 
@@ -142,17 +142,10 @@ class LocalMergePlan(MergePlan):
     def merge(self, x: paddle.Tensor, mode: str = "mean") -> paddle.Tensor:
         """Merge ``x`` (``[B, N, C]``) into ``[B, N - r, C]``: every weighted input row added onto the merged row it
         ends in, in row order (the CPU kernels' form: one ``index_add`` onto zeros)."""
-        if mode not in MERGE_MODES:
-            raise ValueError(f"mode must be one of {MERGE_MODES}, got {mode!r}")
-        self.check(x, self.num_tokens, "merge")
-        if self.is_identity:
+        if self._checked_merge(x, mode):
             return x
         channels, work = x.shape[-1], compute_dtype(x.dtype)
-        flat = x.reshape([-1, channels])
-        if dtype_name(x.dtype) != work:
-            flat = flat.astype(work)
-        if mode == "mean":
-            flat = flat * self._row_scale(work)
+        flat = self._weighted_rows(x, mode, work)
         if self.batch_size < 0:  # a dynamic batch while tracing
             zeros = paddle.zeros([paddle.shape(x)[0] * self.merged_tokens, channels], dtype=work)
         else:
