@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import paddle
 
@@ -254,7 +254,7 @@ def get_cache(model: Any) -> Optional[StepCache]:
 
 # pipelines -------------------------------------------------------------------------------------------------------
 _PIPELINE_ATTRIBUTE = "_ppdiffusers_tome_step_caches"
-_wrapped_classes: Dict[type, Any] = {}  # class -> the __call__ it was given before the wrapper
+_wrapped_classes: Set[type] = set()  # the pipeline classes whose __call__ is wrapped
 
 
 def _wrap_pipeline_class(cls: type) -> None:
@@ -264,7 +264,7 @@ def _wrap_pipeline_class(cls: type) -> None:
     if cls in _wrapped_classes:
         return
     original = cls.__call__
-    _wrapped_classes[cls] = cls.__dict__.get("__call__")
+    _wrapped_classes.add(cls)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         caches = self.__dict__.get(_PIPELINE_ATTRIBUTE)
