@@ -10,7 +10,10 @@
 import importlib as _importlib
 import os as _os
 import sys as _sys
-from typing import Any as _Any, List as _List, Optional as _Optional, Sequence as _Sequence
+from typing import Any as _Any
+from typing import List as _List
+from typing import Optional as _Optional
+from typing import Sequence as _Sequence
 
 __version__ = "0.11.0"
 
@@ -46,6 +49,7 @@ _LAZY = {
     "bipartite_soft_matching_random2d": "ops.global_plan", "cache_info": "ops.cache", "clear_cache": "ops.cache",
     "downsample_tokens": "ops.downsample", "apply_cache": "step_cache", "remove_cache": "step_cache",
     "reset_cache": "step_cache", "cache_status": "step_cache", "CacheConfig": "step_cache",
+    "StepPrograms": "cache_export", "ScheduledSteps": "cache_export",
 }
 
 
@@ -80,6 +84,7 @@ if not _cli_help_only():
         tome_status,
         uninstall_methods,
     )
+    from .cache_export import ScheduledSteps, StepPrograms
     from .config import ToMeConfig
     from .ops.cache import cache_info, clear_cache
     from .ops.downsample import DownsamplePlan, downsample_tokens
@@ -111,4 +116,6 @@ __all__ = [
     "remove_cache",
     "reset_cache",
     "cache_status",
+    "StepPrograms",
+    "ScheduledSteps",
 ]

@@ -28,6 +28,7 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import paddle
 
+from .hooks import HookCall
 from .ops.runtime import converting
 
 __all__ = ["CacheConfig", "StepCache", "StepCacheError", "apply_cache", "cache_status", "get_cache", "remove_cache",
@@ -75,13 +76,16 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         if not _is_int(self.interval) or self.interval < 1:
-            raise ValueError(f"interval must be an integer >= 1 (a full UNet pass every interval steps); got {self.interval!r}")
+            raise ValueError("interval must be an integer >= 1 (a full UNet pass every interval steps); "
+                             f"got {self.interval!r}")
         if not _is_int(self.depth) or self.depth < 1:
-            raise ValueError(f"depth must be an integer >= 1 (resolution levels in the shallow branch); got {self.depth!r}")
+            raise ValueError("depth must be an integer >= 1 (resolution levels in the shallow branch); "
+                             f"got {self.depth!r}")
         if not _is_int(self.start) or self.start < 0:
             raise ValueError(f"start must be an integer >= 0 (steps before it are full); got {self.start!r}")
         if self.stop is not None and (not _is_int(self.stop) or self.stop <= self.start):
-            raise ValueError(f"stop must be None or an integer > start={self.start} (steps from it are full); got {self.stop!r}")
+            raise ValueError(f"stop must be None or an integer > start={self.start} (steps from it are full); "
+                             f"got {self.stop!r}")
         if self.full_steps is not None:
             steps = self.full_steps
             if isinstance(steps, (str, bytes)) or not isinstance(steps, (list, tuple, range)) or not all(
@@ -115,6 +119,7 @@ class _ThreadState:
         self.shape: Optional[Tuple[int, ...]] = None  # the input shape of the first deep block at the kept step
         self.full = True
         self.in_flight = False
+        self.program: Optional[bool] = None  # set by a StepProgram: the kind of step it fixes (True = full)
 
 
 class _DeepBlock:
@@ -129,7 +134,7 @@ class _DeepBlock:
         state = self.cache.thread_state()
         if not state.in_flight:  # called outside the model's forward: behave as the block itself
             return self._run(*args, **kwargs)
-        if self.first:
+        if self.first and state.program is None:
             hidden = args[0] if args else kwargs.get("hidden_states")
             shape = tuple(hidden.shape) if hasattr(hidden, "shape") else None
             if not state.full and shape != state.shape:  # another size or batch than the kept step: compute it all
@@ -138,10 +143,21 @@ class _DeepBlock:
             if state.full:
                 state.pending["__shape__"] = shape
         if not state.full:
-            return state.kept[self.name]
+            if self.name in state.kept:
+                return state.kept[self.name]
+            return self._stand_in(args, kwargs)  # a step program keeps only the feature the shallow branch reads
         out = self._run(*args, **kwargs)
         state.pending[self.name] = out
         return out
+
+    def _stand_in(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        """What a deep block whose output nothing reads returns on a cached step of a step program: its own input,
+        in the structure of its output (a down block: hidden states and one residual per output), at no cost."""
+        hidden = args[0] if args else kwargs["hidden_states"]
+        if not self.name.startswith("down_blocks"):
+            return hidden
+        count = len(self.layer.resnets) + len(getattr(self.layer, "downsamplers", None) or ())
+        return hidden, (hidden,) * count
 
     def _run(self, *args: Any, **kwargs: Any) -> Any:
         if self.original is not None:
@@ -170,8 +186,9 @@ class StepCache:
     def install(self) -> None:
         for i, (name, layer) in enumerate(self.deep):
             layer.forward = _DeepBlock(self, name, layer, first=i == 0)
-        self._handles = [self.model.register_forward_pre_hook(self._before),
-                         self.model.register_forward_post_hook(self._after)]
+        # plain callable objects, not bound methods: Paddle's SOT tracer writes a bound method's repr into its guards
+        self._handles = [self.model.register_forward_pre_hook(HookCall(self, "_before")),
+                         self.model.register_forward_post_hook(HookCall(self, "_after"))]
         self.model.__dict__[_ATTRIBUTE] = self
 
     def remove(self) -> None:
@@ -195,12 +212,16 @@ class StepCache:
 
     # hooks -------------------------------------------------------------------------------------------------------
     def _before(self, layer: paddle.nn.Layer, inputs: Any) -> None:
+        state = self.thread_state()
+        if state.program is not None:  # a StepProgram fixes the kind of step and supplies the kept features
+            state.full, state.pending, state.in_flight = state.program, {}, True
+            return
         if converting():
             raise StepCacheError(
                 "the step cache keeps deep features between calls in Python, which a static graph cannot hold: "
-                "remove it (remove_cache) before paddle.jit.to_static, or export the model without it"
+                "export the full and the cached step as two programs (ppdiffusers_tome.cache_export.StepPrograms), "
+                "or remove it (remove_cache) before paddle.jit.to_static"
             )
-        state = self.thread_state()
         if state.in_flight:  # the previous call of this thread raised (or was interrupted): start over
             state.reset()
         state.full = self.config.is_full(state.step) or not state.kept
@@ -209,6 +230,9 @@ class StepCache:
 
     def _after(self, layer: paddle.nn.Layer, inputs: Any, outputs: Any) -> None:
         state = self.thread_state()
+        if state.program is not None:  # the StepProgram reads the pending outputs; no step is counted
+            state.in_flight = False
+            return
         self.calls += 1
         if state.full:
             self.full_calls += 1

@@ -22,13 +22,15 @@ PACKAGE = ROOT / "ppdiffusers_tome"
 DOORS = {"__main__.py", "presets.py", "testing.py"}
 # modules whose code runs inside a patched forward, and so inside a traced one (paddle.jit.to_static)
 TRACED = sorted(str(p.relative_to(PACKAGE)) for p in (PACKAGE / "ops").glob("*.py")) + [
-    "hooks.py", "planner.py", "state.py"]
+    "cache_export.py", "hooks.py", "planner.py", "state.py", "step_cache.py"]
 # functions of the traced modules that only run on the host, never inside a traced forward, with why
 HOST_ONLY = {
     ("planner.py", "Planner.__init__"),  # at apply_tome
     ("state.py", "ToMeState.__init__"),  # at apply_tome
     ("state.py", "ToMeState.refuse_conversion"),  # runs as plain Python (it asks SOT to fall back first)
     ("state.py", "ToMeState._progress_of"),  # only with a ratio schedule, which refuses conversion
+    ("cache_export.py", "_Step.__init__"),  # when the step programs are built
+    ("step_cache.py", "StepCache.status"),  # cache_status / tome_status
 }
 
 

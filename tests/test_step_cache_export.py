@@ -1,0 +1,157 @@
+"""The step cache exported as two static programs (``ppdiffusers_tome.cache_export``): the full and the cached step
+convert, save and load, and on a fixed schedule give the eager step cache's outputs; the cached program holds no
+deep block; a dynamic batch, SDXL's added conditioning and ToMe inside the programs; clear errors."""
+
+import collections
+
+import numpy as np
+import paddle
+import pytest
+from paddle.static import InputSpec
+
+import ppdiffusers_tome
+from ppdiffusers_tome.cache_export import ScheduledSteps, StepPrograms
+from ppdiffusers_tome.step_cache import CacheConfig, deep_blocks
+from ppdiffusers_tome.testing import tiny_controlnet, tiny_sdxl_pipeline, tiny_unet
+from ppdiffusers_tome.tools.measure import TransferCounter
+
+STEPS = 5  # interval 3: full, cached, cached, full, cached
+
+
+def step_inputs(batch, seed=0, context_dim=32, added=False):
+    """The UNet inputs of STEPS denoising steps: latents that move from step to step, falling timesteps."""
+    rng = np.random.default_rng(seed)
+    latents = rng.standard_normal((batch, 4, 16, 16)).astype("float32")
+    context = paddle.to_tensor(rng.standard_normal((batch, 5, context_dim)).astype("float32"))
+    extra = []
+    if added:  # SDXL: pooled text embeddings and the six size/crop ids
+        extra = [paddle.to_tensor(rng.standard_normal((batch, 32)).astype("float32")),
+                 paddle.to_tensor(np.tile([[64.0, 64.0, 0.0, 0.0, 64.0, 64.0]], (batch, 1)).astype("float32"))]
+    return [[paddle.to_tensor(latents * (1.0 - 0.1 * i)), paddle.to_tensor([900 - 150 * i] * batch), context, *extra]
+            for i in range(STEPS)]
+
+
+def eager_outputs(unet, steps):
+    ppdiffusers_tome.reset_cache(unet)
+    with paddle.no_grad():
+        return [unet(*args[:3], added_cond_kwargs=None if len(args) == 3 else
+                     {"text_embeds": args[3], "time_ids": args[4]}).sample.numpy() for args in steps]
+
+
+def scheduled_outputs(full, cached, config, steps):
+    runner = ScheduledSteps(full, cached, config)
+    with paddle.no_grad():
+        outputs = [runner(*args)[0].numpy() for args in steps]
+    assert (runner.full_calls, runner.cached_calls) == (2, 3)
+    return outputs
+
+
+def convert(programs, steps, full_graph, dynamic_batch=False):
+    spec = [InputSpec([None if dynamic_batch else x.shape[0], *x.shape[1:]], x.dtype) for x in steps[0]]
+    feature = programs.feature_spec(*steps[0], dynamic_batch=dynamic_batch)
+    full = paddle.jit.to_static(programs.full, input_spec=spec, full_graph=full_graph)
+    cached = paddle.jit.to_static(programs.cached, input_spec=[feature] + spec, full_graph=full_graph)
+    return full, cached
+
+
+@pytest.mark.parametrize("full_graph, tome", [(True, False), (False, False), (True, True)],
+                         ids=["ast", "sot", "ast-tome"])
+def test_the_two_programs_convert_save_load_and_give_the_eager_cache_outputs(tmp_path, full_graph, tome):
+    unet = tiny_unet()
+    unet.eval()
+    steps = step_inputs(2)
+    with paddle.no_grad():
+        vanilla = [unet(*args).sample.numpy() for args in steps]
+    if tome:
+        unet.apply_tome(ratio=0.5, use_rand=False)
+    unet.apply_cache(interval=3)
+    eager = eager_outputs(unet, steps)
+    assert np.abs(eager[1] - vanilla[1]).max() > 1e-3  # step 1 is cached: it differs from vanilla
+    programs = StepPrograms(unet)
+    full, cached = convert(programs, steps, full_graph)
+    for got, want in zip(scheduled_outputs(full, cached, programs.config, steps), eager):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    paddle.jit.save(full, str(tmp_path / "full"))
+    paddle.jit.save(cached, str(tmp_path / "cached"))
+    loaded = paddle.jit.load(str(tmp_path / "full")), paddle.jit.load(str(tmp_path / "cached"))
+    for got, want in zip(scheduled_outputs(*loaded, programs.config, steps), eager):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_cached_program_holds_the_shallow_branch_only(tmp_path):
+    unet = ppdiffusers_tome.apply_cache(tiny_unet(), interval=3)
+    steps = step_inputs(2)
+    programs = StepPrograms(unet)
+    full, cached = convert(programs, steps, full_graph=True)
+    paddle.jit.save(full, str(tmp_path / "full"))
+    paddle.jit.save(cached, str(tmp_path / "cached"))
+
+    def size(params):
+        return sum(int(np.prod(p.shape)) for p in params)
+
+    deep = size(p for _, block in deep_blocks(unet, 1) for p in block.parameters())
+    # the first down block's downsampler feeds only deep blocks: the cached program drops it too
+    downsampler = size(unet.down_blocks[0].downsamplers.parameters())
+    assert deep > 0 and downsampler > 0
+    assert size(paddle.jit.load(str(tmp_path / "full")).parameters()) == size(unet.parameters())
+    assert size(paddle.jit.load(str(tmp_path / "cached")).parameters()) == size(unet.parameters()) - deep - downsampler
+
+
+def test_a_dynamic_batch_exports_once_and_runs_batches_1_and_3(tmp_path):
+    unet = ppdiffusers_tome.apply_cache(tiny_unet(), interval=3)
+    programs = StepPrograms(unet)
+    full, cached = convert(programs, step_inputs(2), full_graph=True, dynamic_batch=True)
+    paddle.jit.save(full, str(tmp_path / "full"))
+    paddle.jit.save(cached, str(tmp_path / "cached"))
+    loaded = paddle.jit.load(str(tmp_path / "full")), paddle.jit.load(str(tmp_path / "cached"))
+    for batch in (1, 3):
+        steps = step_inputs(batch, seed=batch)
+        for got, want in zip(scheduled_outputs(*loaded, programs.config, steps), eager_outputs(unet, steps)):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_sdxl_added_conditioning_goes_through_both_programs():
+    unet = tiny_sdxl_pipeline().unet
+    unet.eval()
+    unet.apply_cache(interval=3)
+    steps = step_inputs(2, context_dim=unet.config.cross_attention_dim, added=True)
+    eager = eager_outputs(unet, steps)
+    programs = StepPrograms(unet)
+    full, cached = convert(programs, steps, full_graph=True)
+    for got, want in zip(scheduled_outputs(full, cached, programs.config, steps), eager):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_cache_and_its_programs_add_no_host_device_transfer_to_the_vanilla_forward():
+    """Counted per call site on STEPS steps after a warm-up step; the tiny UNet's own transformer makes transfers
+    (they are vanilla's), a cached step skips some of them, none is added."""
+    unet = tiny_unet()
+    steps = step_inputs(2)
+
+    def transfers(call):
+        with paddle.no_grad():
+            call(*steps[0])
+            with TransferCounter() as counter:
+                for args in steps:
+                    call(*args)
+        return collections.Counter(counter.by_site())
+
+    vanilla = transfers(unet)
+    ppdiffusers_tome.apply_cache(unet, interval=3)
+    ppdiffusers_tome.reset_cache(unet)
+    eager = transfers(unet)
+    programs = StepPrograms(unet)
+    scheduled = transfers(ScheduledSteps(programs.full, programs.cached, programs.config))
+    assert vanilla and not eager - vanilla and not scheduled - vanilla, (vanilla, eager, scheduled)
+    assert sum(eager.values()) < sum(vanilla.values())  # cached steps skip the deep blocks' own transfers
+
+
+def test_wrong_models_and_settings_are_refused_by_name():
+    with pytest.raises(ValueError, match="no step cache: call apply_cache"):
+        StepPrograms(tiny_unet())
+    net = ppdiffusers_tome.apply_cache(tiny_controlnet(tiny_unet()), interval=2)
+    with pytest.raises(ValueError, match="no up blocks"):
+        StepPrograms(net)
+    with pytest.raises(ValueError, match="config must be a CacheConfig"):
+        ScheduledSteps(lambda *a: None, lambda *a: None, {"interval": 3})
+    assert ScheduledSteps(lambda *a: None, lambda *a: None, CacheConfig(interval=2)).step == 0
