@@ -1,8 +1,8 @@
 """What merging does to images a person can judge: the shipped shapes model, scored by the shipped classifier (#20).
 
 The paper's FID table in miniature. For every configuration (vanilla, ToMe at 0.3 / 0.5 / 0.6, ToDo,
-ppdiffusers' built-in port at 0.5, the step cache with interval 3 alone and with ToMe 0.5; ``--configs`` picks
-some) and every seed, the shipped pipeline draws one image per held-out caption
+ppdiffusers' built-in port at 0.5, the step cache with interval 2, 3 and 5 alone and with interval 3 after ToMe 0.5
+or ToDo; ``--configs`` picks some) and every seed, the shipped pipeline draws one image per held-out caption
 (captions of dataset images the model never saw, one object each, so that the caption names all four labels),
 from the same initial latents for every configuration (generator seed = seed x 1000 + batch). Per configuration,
 mean and seed-to-seed standard deviation of:
@@ -52,8 +52,11 @@ CONFIGS: Dict[str, Method] = {
     "ToMe 0.6": Method("tome", 0.6),
     "ToDo": Method("todo"),
     "built-in 0.5": Method("builtin", 0.5),
+    "cache 2": Method("cache", cache={"interval": 2}),
     "cache 3": Method("cache", cache={"interval": 3}),
+    "cache 5": Method("cache", cache={"interval": 5}),
     "ToMe 0.5 + cache 3": Method("tome", 0.5, cache={"interval": 3}),
+    "ToDo + cache 3": Method("todo", cache={"interval": 3}),
 }
 
 
