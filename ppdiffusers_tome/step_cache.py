@@ -10,8 +10,10 @@ deep blocks (``down_blocks[d:]``, ``mid_block``, ``up_blocks[:-d]``) run only on
 kept. On a cached step each deep block returns its output of the last full step without computing anything, so the
 shallow up blocks receive the deep feature of that step and this step's own skip connections. A ControlNet gets the
 same treatment (its ``down_blocks[d:]`` and ``mid_block``): the residuals it would compute for the deep blocks are
-thrown away by the UNet on a cached step, so they are not computed; its 1x1 output convolutions still run on the
-kept features (cheap), as does the first down block's downsampler (its output feeds only deep blocks).
+thrown away by the UNet on a cached step, so they are not computed. The downsampler of ``down_blocks[d - 1]`` is kept
+like a deep block, in the UNet and in a ControlNet: its output feeds only deep blocks. What still runs on a cached
+step and is thrown away: a ControlNet's 1x1 output convolutions on the kept deep features (one per deep residual, and
+the mid block's).
 
 Steps are counted per pipeline call: calling a pipeline starts a fresh history for the calling thread (and ends it
 when the call returns or raises), so two calls, or two threads, never share cached features. A model used without a
@@ -154,7 +156,7 @@ class _DeepBlock:
         """What a deep block whose output nothing reads returns on a cached step of a step program: its own input,
         in the structure of its output (a down block: hidden states and one residual per output), at no cost."""
         hidden = args[0] if args else kwargs["hidden_states"]
-        if not self.name.startswith("down_blocks"):
+        if not self.name.startswith("down_blocks") or ".downsamplers." in self.name:
             return hidden
         count = len(self.layer.resnets) + len(getattr(self.layer, "downsamplers", None) or ())
         return hidden, (hidden,) * count
@@ -251,7 +253,8 @@ class StepCache:
 
 
 def deep_blocks(model: paddle.nn.Layer, depth: int) -> List[Tuple[str, paddle.nn.Layer]]:
-    """The blocks of ``model`` that run only on full steps, in call order. Raises ValueError, naming ``depth`` and
+    """The blocks of ``model`` that run only on full steps, in call order (the downsampler of the last shallow down
+    block first). Raises ValueError, naming ``depth`` and
     its range, when the model has no such structure or ``depth`` leaves no deep block."""
     down = getattr(model, "down_blocks", None)
     if down is None or not isinstance(down, paddle.nn.LayerList) or len(down) < 2:
@@ -263,7 +266,11 @@ def deep_blocks(model: paddle.nn.Layer, depth: int) -> List[Tuple[str, paddle.nn
     if not depth < len(down) or (up is not None and len(up) != len(down)):
         raise ValueError(f"depth must be in [1, {len(down) - 1}] for {type(model).__name__} ({len(down)} down "
                          f"blocks: at least one level must stay deep); got {depth}")
-    blocks = [(f"down_blocks.{i}", down[i]) for i in range(depth, len(down))]
+    # the last shallow down block's downsampler feeds only the deep blocks (its output is their input and a skip
+    # connection of a deep up block): it is kept like them
+    samplers = getattr(down[depth - 1], "downsamplers", None) or []
+    blocks = [(f"down_blocks.{depth - 1}.downsamplers.{i}", sampler) for i, sampler in enumerate(samplers)]
+    blocks += [(f"down_blocks.{i}", down[i]) for i in range(depth, len(down))]
     if getattr(model, "mid_block", None) is not None:
         blocks.append(("mid_block", model.mid_block))
     if up is not None:

@@ -25,6 +25,11 @@ def counting(layer):
     return calls, handle
 
 
+def controlnets(pipe):
+    net = getattr(pipe, "controlnet", None)
+    return [] if net is None else list(getattr(net, "nets", [net]))
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_interval_1_is_vanilla_bit_for_bit_and_interval_3_skips_the_deep_blocks(kind, init_image, mask_image):
     pipe, call, _, patched = build(kind, init_image, mask_image)
@@ -32,15 +37,21 @@ def test_interval_1_is_vanilla_bit_for_bit_and_interval_3_skips_the_deep_blocks(
     pipe.apply_cache(interval=1)
     np.testing.assert_array_equal(run(pipe, steps=STEPS, **call), vanilla)
     pipe.apply_cache(interval=3)
-    unet_deep = deep_blocks(pipe.unet, 1)[0][1]  # down_blocks[1]: runs on full steps only
+    unet_deep = dict(deep_blocks(pipe.unet, 1))["down_blocks.1"]  # runs on full steps only
     deep_calls, handle = counting(unet_deep.resnets[0])
+    # the first down block's downsampler feeds only deep blocks: its convolution runs on full steps only, in the UNet
+    # and in every ControlNet
+    samplers = [model.down_blocks[0].downsamplers[0].conv for model in [pipe.unet] + controlnets(pipe)]
+    sampler_calls = [counting(conv) for conv in samplers]
     cached = run(pipe, steps=STEPS, **call)
-    handle.remove()
+    for _, hook in sampler_calls + [(deep_calls, handle)]:
+        hook.remove()
     status = ppdiffusers_tome.cache_status(pipe)
     assert set(status) == patched  # the UNet and every ControlNet
     steps_run = status["unet"]["calls"]
     full = sum(CacheConfig(interval=3).is_full(i) for i in range(steps_run))
     assert len(deep_calls) == full and status["unet"]["full_calls"] == full < steps_run
+    assert [len(calls) for calls, _ in sampler_calls] == [full] * len(samplers)
     assert all(s["full_calls"] == full and s["cached_calls"] == steps_run - full for s in status.values())
     assert cached.shape == vanilla.shape and np.isfinite(cached).all()
     assert 0 < np.abs(cached - vanilla).max() < 1.0
@@ -150,7 +161,7 @@ def test_threads_keep_separate_histories_on_one_unet():
 def test_an_interrupted_call_leaves_nothing_for_the_next_call():
     pipe = tiny_sd_pipeline().apply_cache(interval=3)
     expected = run(pipe, steps=5)
-    deep = deep_blocks(pipe.unet, 1)[0][1].resnets[0]
+    deep = dict(deep_blocks(pipe.unet, 1))["down_blocks.1"].resnets[0]
     state = {"calls": 0}
 
     def interrupt(*_):
