@@ -10,10 +10,7 @@
 import importlib as _importlib
 import os as _os
 import sys as _sys
-from typing import Any as _Any
-from typing import List as _List
-from typing import Optional as _Optional
-from typing import Sequence as _Sequence
+from typing import Any as _Any, List as _List, Optional as _Optional, Sequence as _Sequence
 
 __version__ = "0.11.0"
 

@@ -23,7 +23,6 @@ read from the device.
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Callable, Optional, Tuple
 
 import paddle
@@ -32,8 +31,6 @@ from paddle.static import InputSpec
 from .step_cache import CacheConfig, get_cache
 
 __all__ = ["CachedStep", "FullStep", "ScheduledSteps", "StepPrograms"]
-
-logger = logging.getLogger(__name__)
 
 
 class _Step(paddle.nn.Layer):
