@@ -85,6 +85,16 @@ def test_every_python_block_with_imports_is_marked_runnable():
                 assert match.group(0).startswith("<!-- runnable"), (readme, code[:200])
 
 
+def test_blocks_import_the_package_before_paddle():
+    """Imported first, Paddle prints "No ccache found"; the package, imported before it, keeps that quiet (as the
+    examples do). So each block's first import of paddle, ppdiffusers or the package is the package."""
+    for readme in READMES:
+        for _, code, line in blocks(readme):
+            names = [name for name in re.findall(r"^(?:import|from) (\w+)", code, re.M)
+                     if name in ("paddle", "ppdiffusers", "ppdiffusers_tome")]
+            assert names[0] == "ppdiffusers_tome", f"{readme}:{line} imports {names[0]} first"
+
+
 def test_weights_blocks_name_real_model_ids():
     for readme in READMES:
         for kind, code, _ in blocks(readme):
