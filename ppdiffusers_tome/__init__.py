@@ -31,12 +31,14 @@ def _cli_args(
 
 def _cli_help_only(argv: _Optional[_Sequence[str]] = None, orig_argv: _Optional[_Sequence[str]] = None) -> bool:
     """Whether this process is the command line (``ppdiffusers-tome`` or ``python -m ppdiffusers_tome``) asked only
-    for ``--help`` or ``--version``, or given no arguments. Printing those needs neither Paddle nor ppdiffusers,
-    whose import takes seconds, so the package then skips it; every name below still imports on first use."""
+    for ``--help`` or ``--version``, or given no arguments, or for ``bench --calibrate`` without a GPU (which the
+    command line refuses at once). Those need neither Paddle nor ppdiffusers, whose import takes seconds, so the
+    package then skips it; every name below still imports on first use."""
     args = _cli_args(argv, orig_argv)
     if args is None:
         return False
-    return not args or any(arg in ("-h", "--help", "--version") for arg in args)
+    refused = "--calibrate" in args and not any("gpu" in arg for arg in args)
+    return not args or refused or any(arg in ("-h", "--help", "--version") for arg in args)
 
 
 _LAZY = {

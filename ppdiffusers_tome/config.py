@@ -1,6 +1,6 @@
 """The validated, immutable settings of one ToMe patch (what to merge, where, and how much).
 
-Runtime state (the image size of the current call, the RNG key) lives in :class:`ppdiffusers_tome.state.ToMeState`,
+Runtime state (the image size of the current call, the RNG key) lives in :mod:`ppdiffusers_tome.state`,
 never here.
 """
 
@@ -112,11 +112,18 @@ def check_ratio(value: Any, sx: int, sy: int, where: str = "") -> float:
     ValueError: ratio(progress=0.550) must be in [0, 0.75) for sx=2, sy=2 (the limit is 1 - 1/(sx*sy)); got 0.9
     """
     limit = max_ratio(sx, sy)
+    # strides of 1 make every token a dst token: the range [0, limit) is empty, only 0 (no merging) is left
+    only_zero = (f"strides sx={sx}, sy={sy} allow only ratio 0 (every token is a dst token, so none can be merged; "
+                 "the limit 1 - 1/(sx*sy) is 0). Use sx=2 or sy=2 or more to merge") if limit <= 0 else ""
     # (value != value) is NaN without math.isnan, which overflows on huge ints
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or value != value:
         forms = ", a (start, end) pair or a callable of the progress" if not where else ""
+        if only_zero:
+            raise ValueError(f"ratio{where} must be the number 0{forms}: {only_zero}; got {_shown(value)}")
         raise ValueError(f"ratio{where} must be a number in [0, {limit:g}){forms}; got {_shown(value)}")
     if value != 0 and not 0 < value < limit:
+        if only_zero:
+            raise ValueError(f"ratio{where} must be 0: {only_zero}; got {_shown(value)}")
         allowed = f"[0, {limit:g}) for sx={sx}, sy={sy} (the limit is 1 - 1/(sx*sy))"
         raise ValueError(f"ratio{where} must be in {allowed}; got {_shown(value)}")
     return float(value)

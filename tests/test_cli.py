@@ -3,6 +3,7 @@
 import argparse
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -247,6 +248,10 @@ def test_help_only_detection():
     assert not _cli_help_only(["-m"], ["python", "-m", "ppdiffusers_tome", "demo", "--steps", "2"])
     assert not _cli_help_only(["-m"], ["python", "-m", "pytest", "--help"])
     assert not _cli_help_only(["script.py", "--help"], ["python", "script.py", "--help"])
+    # bench --calibrate without a GPU is refused at once: nothing to import for it either
+    assert _cli_help_only(["-m"], ["python", "-m", "ppdiffusers_tome", "bench", "--calibrate"])
+    assert not _cli_help_only(["-m"], ["python", "-m", "ppdiffusers_tome", "bench", "--calibrate", "--device", "gpu"])
+    assert not _cli_help_only(["-m"], ["python", "-m", "ppdiffusers_tome", "bench", "--calibrate", "--device=gpu"])
 
 
 # memory check, default resolution, legend and noise warning --------------------------------------------------
@@ -421,3 +426,215 @@ def test_the_largest_seed_is_accepted():
     from ppdiffusers_tome.tools.cli import MAX_SEED, build_parser
 
     assert build_parser().parse_args(["demo", "--seed", str(MAX_SEED)]).seed == MAX_SEED == 2**63 - 1
+
+
+# arguments that pass the parser but cannot work: refused before any work --------------------------------------
+def never_run(monkeypatch):
+    from ppdiffusers_tome.tools.bench import commands
+
+    monkeypatch.setattr(commands, "run_demo", lambda args: pytest.fail("ran"))
+    monkeypatch.setattr(commands, "run_bench", lambda args: pytest.fail("ran"))
+
+
+@pytest.mark.parametrize("command", ["demo", "bench"])
+@pytest.mark.parametrize("output", ["", "  "])
+def test_an_empty_output_is_refused_before_anything_runs(command, output, capsys, monkeypatch, tmp_path):
+    never_run(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    assert main([command, "--output", output]) == 2
+    err = capsys.readouterr().err
+    assert f"ppdiffusers-tome {command}: error: --output is empty" in err and "Traceback" not in err
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("command", ["demo", "bench"])
+def test_an_output_folder_that_cannot_be_created_is_refused_before_anything_runs(command, capsys, monkeypatch,
+                                                                                 tmp_path):
+    """The parent is writable (``os.access`` says so), but the folder's name is too long to create."""
+    never_run(monkeypatch)
+    output = tmp_path / "made" / ("x" * 300) / "results"
+    assert os.access(tmp_path, os.W_OK)
+    assert main([command, "--output", str(output)]) == 2
+    err = capsys.readouterr().err
+    assert f"ppdiffusers-tome {command}: error: --output {output} cannot be used" in err and "Traceback" not in err
+    assert not list(tmp_path.iterdir())  # "made", created on the way, is gone again
+
+
+def test_an_output_folder_made_for_a_command_that_stops_early_is_removed_and_an_existing_one_kept(
+        capsys, monkeypatch, tmp_path):
+    from ppdiffusers_tome.tools.bench import commands
+
+    def refuse(args):
+        assert os.path.isdir(args.output)  # created before the command ran
+        raise ValueError("a stand-in refusal")
+
+    monkeypatch.setattr(commands, "run_demo", refuse)
+    assert main(["demo", "--output", str(tmp_path / "new" / "demo")]) == 2
+    assert "a stand-in refusal" in capsys.readouterr().err and not list(tmp_path.iterdir())
+    (tmp_path / "mine").mkdir()
+    assert main(["demo", "--output", str(tmp_path / "mine")]) == 2
+    assert (tmp_path / "mine").is_dir()  # the user's own folder stays
+
+
+@pytest.mark.parametrize("value", ["-3", "-1", "1.5", "many"])
+def test_bench_warmup_must_be_a_whole_number_of_runs(value, capsys):
+    from ppdiffusers_tome.tools.cli import build_parser
+
+    with pytest.raises(SystemExit) as done:  # (the parser alone: were it accepted, nothing would run)
+        build_parser().parse_args(["bench", "--warmup", value])
+    assert done.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --warmup: must be an integer >= 0" in err and value in err
+
+
+def test_bench_warmup_zero_is_accepted():
+    from ppdiffusers_tome.tools.cli import build_parser
+
+    assert build_parser().parse_args(["bench", "--warmup", "0"]).warmup == 0
+
+
+def test_bench_calibrate_on_a_cpu_is_refused_without_importing_paddle(tmp_path):
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-X", "importtime", "-m", "ppdiffusers_tome", "bench", "--calibrate",
+                           "--output", str(tmp_path / "out")], capture_output=True, text=True, timeout=120,
+                          env=REPO_ENV)
+    assert done.returncode == 2
+    assert "bench: error: --calibrate measures where merging starts to pay on a GPU" in done.stderr
+    imported = {line.rsplit("|", 1)[-1].strip().split(".")[0] for line in done.stderr.splitlines() if "|" in line}
+    assert "argparse" in imported and not imported & {"paddle", "ppdiffusers", "paddlenlp"}
+    assert not (tmp_path / "out").exists()
+
+
+def test_bench_help_describes_the_command(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    out = capsys.readouterr().out
+    usage, _, rest = out.partition("\n\n")
+    assert rest.startswith("Measure methods side by side")
+
+
+def test_bench_prints_why_a_method_could_not_run_under_its_table(tmp_path, capsys):
+    args = ["bench", "--arch", "tiny", "--resolutions", "32", "--steps", "1", "--repeats", "1", "--warmup", "0",
+            "--threads", "1", "--methods", "vanilla", "tome-efficient", "--no-plots", "--no-time-split",
+            "--no-op-count", "--output", str(tmp_path)]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    table = out.split("\n\n")[0]
+    assert "n/a tome-efficient@0.5 (every resolution and batch): efficient attention unavailable" in table
+
+
+# Ctrl-C: what was measured is saved, and one line says so ---------------------------------------------------------
+def interrupt_after(monkeypatch, owner, name, calls):
+    """Make ``owner.name`` raise KeyboardInterrupt (as Ctrl-C does) when it is called for the ``calls + 1``-th time."""
+    original = getattr(owner, name)
+    count = [0]
+
+    def stand_in(*args, **kwargs):
+        count[0] += 1
+        if count[0] > calls:
+            raise KeyboardInterrupt
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, stand_in)
+
+
+def interrupted(args):
+    """``main(args)`` that is to end by Ctrl-C: its exit status, or a failure if the KeyboardInterrupt escapes
+    (which would otherwise stop the whole test session)."""
+    try:
+        return main(args)
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C escaped the command line as a KeyboardInterrupt")
+
+
+def only_line_with(text, err):
+    lines = [line for line in err.splitlines() if text in line]
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+def test_ctrl_c_during_bench_keeps_the_finished_cells(tmp_path, capsys, monkeypatch):
+    from ppdiffusers_tome.tools.bench import runner
+
+    interrupt_after(monkeypatch, runner.Runner, "run_cell", 1)  # batch 1 finishes, batch 2 is interrupted
+    args = ["bench", "--arch", "tiny", "--resolutions", "32", "--batch-sizes", "1", "2", "--steps", "1",
+            "--repeats", "1", "--warmup", "0", "--threads", "1", "--methods", "vanilla", "tome", "--no-op-count",
+            "--output", str(tmp_path)]
+    assert interrupted(args) == 130
+    line = only_line_with("interrupted", capsys.readouterr().err)
+    assert line == (f"ppdiffusers-tome bench: interrupted (Ctrl-C): saved the 2 cells of 1 of 2 resolution x batch in "
+                    f"{tmp_path / 'results.json'}")
+    record = read_record(tmp_path)
+    assert record["complete"] is False and record["groups_done"] == "1 of 2 resolution x batch"
+    cells = [(c["batch"], c["method"], c["status"]) for c in record["cells"]]
+    assert cells == [(1, "vanilla", "ok"), (1, "tome", "ok")]
+    assert record["cells"][1]["speedup"] > 0
+    assert sorted(os.listdir(tmp_path)) == ["results.json"]  # no partial file left over
+
+
+def test_a_finished_bench_says_it_is_complete(tmp_path):
+    args = ["bench", "--arch", "tiny", "--resolutions", "32", "--steps", "1", "--repeats", "1", "--warmup", "0",
+            "--threads", "1", "--methods", "vanilla", "tome", "--no-op-count", "--no-plots", "--no-time-split",
+            "--output", str(tmp_path)]
+    assert main(args) == 0
+    assert read_record(tmp_path)["complete"] is True
+
+
+def test_ctrl_c_during_the_demo_keeps_the_finished_rounds(tmp_path, capsys, monkeypatch):
+    from ppdiffusers_tome.tools.bench import runner
+
+    # two methods (vanilla, ToMe 0.5): the first round of timed runs is two runs; the third run is interrupted
+    interrupt_after(monkeypatch, runner.Runner, "_measure_once", 2)
+    args = ["demo", *TINY, "--ratios", "0.5", "--cache", "0", "--repeats", "3", "--output", str(tmp_path)]
+    assert interrupted(args) == 130
+    captured = capsys.readouterr()
+    line = only_line_with("interrupted", captured.err)
+    assert line == (f"ppdiffusers-tome demo: interrupted (Ctrl-C): saved 1 of 3 timed runs per method (the rounds "
+                    f"finished) in {tmp_path / 'demo.png'} and {tmp_path / 'results.json'}")
+    assert "ToMe demo:" not in captured.out  # no table of a run that did not finish
+    record = read_record(tmp_path)
+    assert record["complete"] is False and record["timed_runs_done"] == 1
+    assert [(r["method"], len(r["runs_seconds"])) for r in record["results"]] == [("vanilla", 1), ("tome", 1)]
+    with Image.open(tmp_path / "demo.png") as png:
+        png.verify()
+
+
+def test_ctrl_c_before_anything_is_measured_says_nothing_was_saved(tmp_path, capsys, monkeypatch):
+    from ppdiffusers_tome.tools import presets
+
+    def ctrl_c(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(presets, "preset_pipeline", ctrl_c)
+    assert interrupted(["demo", *TINY, "--output", str(tmp_path / "new")]) == 130
+    line = only_line_with("interrupted", capsys.readouterr().err)
+    assert line.endswith("nothing had been measured yet, so nothing was saved")
+    assert not (tmp_path / "new").exists()  # the folder made for the run is removed again
+
+
+# --repeats 1 is a check, not a measurement ------------------------------------------------------------------------
+def test_one_timed_run_shows_no_speedup_in_the_demo_table():
+    from ppdiffusers_tome.tools.bench.demo import format_demo_table, single_run_note
+
+    row = dict(ratio=0.5, seconds_per_image=2.3, unet_seconds=0.1, peak_memory_bytes=2**20, added_memory_bytes=0,
+               max_abs_diff=0.01, psnr_db=40.0, merges_nothing=False, cache=None)
+    rows = [{**row, "method": "vanilla", "ratio": 0.0, "speedup": 1.0, "runs_seconds": [1.0], "psnr_db": float("inf")},
+            {**row, "method": "tome", "speedup": 0.44, "runs_seconds": [2.3]}]  # a busy machine's single run
+    table = format_demo_table(rows)
+    assert "0.44" not in table and "?x (1 run)" in table.splitlines()[-1]
+    note = single_run_note(rows)
+    assert "does not measure speed" in note and "--repeats 3" in note
+    repeated = [{**r, "runs_seconds": r["runs_seconds"] * 3} for r in rows]
+    assert "0.44x" in format_demo_table(repeated) and single_run_note(repeated) is None
+
+
+def test_the_demo_with_one_repeat_says_it_is_not_a_measurement(tmp_path, capsys):
+    assert main(["demo", *TINY, "--ratios", "0.5", "--cache", "0", "--repeats", "1", "--output", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "ONE timed run per configuration (a check that it runs, not a measurement)" in out
+    tome = next(line for line in out.splitlines() if line.lstrip().startswith("tome "))
+    assert "?x (1 run)" in tome and not re.search(r"\d\.\d\dx", tome)  # no speed-up number
+    assert "does not measure speed" in out

@@ -11,6 +11,10 @@ person can compare), so it needs no download; a ``--preset`` is a full-size layo
 ``--model shapes`` names the shipped model in ``bench`` too.
 ``bench`` measures a grid of resolutions, batch sizes and methods (see :mod:`ppdiffusers_tome.tools.bench`); the demo is
 one resolution of the same engine.
+
+Every check that needs no model runs here, before the commands are imported: the options' ranges, ``--output``
+(created up front, and removed again if the command stops before writing anything in it) and ``bench --calibrate``
+without a GPU. Ctrl-C ends a command with one line saying what it had saved, and exit status 130.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
+import textwrap
 from collections.abc import Sequence
 
 from .. import __version__
@@ -25,17 +31,35 @@ from ..quiet import configure_logging, ignore_import_warnings
 from .presets import DEFAULT_PRESET, available_presets, default_resolution, preset_summary
 
 # shapes.shipped.DEMO_PROMPT and bench.BenchSettings.prompt, repeated for the same reason (a test keeps them equal)
-SHAPES_PROMPT = "a large red star at the top left on a blue background"
+SHAPES_PROMPT = "a small orange circle at the top on a blue background"
 DEFAULT_PROMPT = "a lighthouse on a cliff at sunset, detailed oil painting"
 # bench.ALL_METHODS, repeated here so that ``--help`` does not import bench (and Paddle); a test keeps them equal
 BENCH_METHODS = ("vanilla", "tome", "tome-efficient", "todo", "todo-efficient", "builtin", "bound", "cache")
+CALIBRATE_NEEDS_GPU = (
+    "--calibrate measures where merging starts to pay on a GPU, so it needs --device gpu. On a CPU apply_tome merges "
+    "at every size by default (policy='auto' is tomesd's there): nothing to calibrate"
+)
+INTERRUPTED_STATUS = 130  # what a shell reports for a program ended by Ctrl-C (128 + SIGINT)
+
+
+def _int_at_least(low: int, text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < low:
+        raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text!r}")
+    return value
 
 
 def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text}")
-    return value
+    """An integer >= 1 (repeats, steps, threads, batch sizes)."""
+    return _int_at_least(1, text)
+
+
+def _non_negative_int(text: str) -> int:
+    """An integer >= 0 (``--warmup``: 0 runs no untimed run)."""
+    return _int_at_least(0, text)
 
 
 MAX_SEED = 2**63 - 1  # Paddle's generators take seeds below 2**64; the presets add small offsets to the seed
@@ -53,8 +77,10 @@ def _seed(text: str) -> int:
 
 
 def _output_folder(path: str) -> str | None:
-    """Why ``path`` cannot become the output folder (an existing file, or a file where a parent folder should be),
-    or None."""
+    """Why ``path`` cannot become the output folder (empty, an existing file, or a file where a parent folder should
+    be), or None."""
+    if not path.strip():  # e.g. --output "$UNSET": os.path.abspath would make it the current folder
+        return "--output is empty (an unset shell variable?); give a folder (it is created if missing)"
     probe = os.path.abspath(path)
     while not os.path.exists(probe):
         probe = os.path.dirname(probe)
@@ -64,6 +90,41 @@ def _output_folder(path: str) -> str | None:
     if not os.access(probe, os.W_OK):
         return f"--output {path}: {probe} is not writable"
     return None
+
+
+def _create_output(path: str) -> tuple[str | None, list[str]]:
+    """Create the output folder ``path`` now and check that a file can be written in it, before any work: a folder
+    that ``os.access`` calls writable can still fail to be created (a name too long, a read-only mount, quotas).
+    Returns ``(why it cannot be used or None, the folders this call created, deepest last)``; on failure the
+    created folders are already removed again."""
+    missing, probe = [], os.path.abspath(path)
+    while not os.path.isdir(probe):
+        missing.append(probe)
+        probe = os.path.dirname(probe)
+    created: list[str] = []
+    try:
+        for folder in reversed(missing):
+            os.mkdir(folder)
+            created.append(folder)
+        handle, name = tempfile.mkstemp(prefix=".write-check-", dir=path)
+        os.close(handle)
+        os.remove(name)
+    except OSError as error:
+        _remove_empty(created)
+        where = error.filename and os.path.abspath(error.filename)
+        detail = f" ({where})" if where and where != os.path.abspath(path) else ""
+        return f"--output {path} cannot be used: {error.strerror or error}{detail}", []
+    return None, created
+
+
+def _remove_empty(folders: Sequence[str]) -> None:
+    """Remove ``folders`` (deepest last) that are still empty, deepest first: what :func:`_create_output` made
+    for a command that ended before it wrote anything."""
+    for folder in reversed(folders):
+        try:
+            os.rmdir(folder)
+        except OSError:  # not empty (the command wrote its files) or gone
+            return
 
 
 def _resolution(text: str) -> int:
@@ -84,7 +145,11 @@ def _level(text: str):
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Shows each option's default after its help (unless the help already gives it, or there is none)."""
+    """Shows each option's default after its help (unless the help already gives it, or there is none), and wraps
+    lines at spaces only, so that names such as ``tome-efficient`` are never split."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
@@ -172,8 +237,14 @@ def _add_demo_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
-    bench = sub.add_parser("bench", help="grid of resolutions x batch sizes x methods: table, JSON, plots",
-                           formatter_class=_HelpFormatter, epilog=_presets_epilog())
+    bench = sub.add_parser(
+        "bench", help="grid of resolutions x batch sizes x methods: table, JSON, plots", formatter_class=_HelpFormatter,
+        description="Measure methods side by side (vanilla, ToMe at every --ratios value, the zero-overhead bound,\n"
+                    "...) at every resolution x batch size, interleaved in one process: seconds per image, speed-up,\n"
+                    "memory and fidelity to vanilla, as tables on stdout, results.json (rewritten after every\n"
+                    "resolution x batch, so Ctrl-C keeps what was measured) and plots. By default a model layout\n"
+                    "with random weights (--preset); --model loads a pipeline folder.",
+        epilog=_presets_epilog())
     source = bench.add_mutually_exclusive_group()
     source.add_argument("--preset", "--arch", dest="preset", choices=available_presets(), metavar="PRESET",
                         default=DEFAULT_PRESET,
@@ -187,7 +258,9 @@ def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
     bench.add_argument("--ratios", type=float, nargs="+", default=[0.5], help="ToMe ratios, each in [0, 1)")
     bench.add_argument("--methods", nargs="+", choices=BENCH_METHODS, metavar="METHOD",
                        default=["vanilla", "tome", "tome-efficient", "bound"],
-                       help=f"methods to measure, of: {', '.join(BENCH_METHODS)}")
+                       help=f"methods to measure, of: {', '.join(BENCH_METHODS)}; tome-efficient needs Paddle's "
+                            "memory-efficient attention (a GPU build): elsewhere its cells read n/a, with the reason "
+                            "under the table")
     bench.add_argument("--variants", nargs="+", default=[], metavar="METHOD:OPTION=VALUE,...",
                        help="extra configurations, e.g. tome:recompute_every=5 'tome:ratio=(0.6,0.3)' "
                             "todo:downsample_factor=4,downsample_mode=average")
@@ -199,7 +272,8 @@ def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
     bench.add_argument("--steps", type=_positive_int, default=20, help="denoising steps per pipeline call")
     bench.add_argument("--unet-only", action="store_true", help="time one denoiser forward instead of a pipeline call")
     bench.add_argument("--repeats", type=_positive_int, default=3, help="timed runs per method (median reported)")
-    bench.add_argument("--warmup", type=int, default=1, help="untimed runs per method before timing")
+    bench.add_argument("--warmup", type=_non_negative_int, default=1,
+                       help="untimed runs per method before timing (an integer >= 0)")
     bench.add_argument("--max-downsample", type=_level, default="auto",
                        help="auto (default: the finest level with attention, 2 on SDXL), 1, 2, 4 or 8")
     bench.add_argument("--device", choices=["cpu", "gpu"], default="cpu",
@@ -218,25 +292,42 @@ def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line ``argv`` (default ``sys.argv[1:]``); returns the exit status (2 on bad input)."""
+    """Run the command line ``argv`` (default ``sys.argv[1:]``); returns the exit status (2 on bad input, 130 after
+    Ctrl-C)."""
     ignore_import_warnings()  # (the package's __init__ did it already when this process is the command line)
     args = build_parser().parse_args(argv)
-    problem = _output_folder(args.output)
-    if problem:  # before anything runs: the results of minutes of work must have somewhere to go
-        sys.stderr.write(f"ppdiffusers-tome {args.command}: error: {problem}\n")
+    name = f"ppdiffusers-tome {args.command}"
+    calibrate_on_cpu = args.command == "bench" and args.calibrate and args.device != "gpu"
+    # before anything runs: the results of minutes of work must have somewhere to go
+    problem = CALIBRATE_NEEDS_GPU if calibrate_on_cpu else _output_folder(args.output)
+    created: list[str] = []
+    if not problem:
+        problem, created = _create_output(args.output)
+    if problem:
+        sys.stderr.write(f"{name}: error: {problem}\n")
         return 2
+    try:
+        return _run(args)
+    except ValueError as error:  # bad input: a clear message, not a traceback
+        sys.stderr.write(f"{name}: error: {error}\n")
+        return 2
+    except KeyboardInterrupt as stop:  # one line, not a traceback: what the command had saved when Ctrl-C came
+        saved = getattr(stop, "saved", None) or "nothing had been measured yet, so nothing was saved"
+        start = "\n" if sys.stderr.isatty() else ""  # (a terminal shows ^C without ending its line)
+        sys.stderr.write(f"{start}{name}: interrupted (Ctrl-C): {saved}\n")
+        return INTERRUPTED_STATUS
+    finally:
+        _remove_empty(created)  # the folder made above, when the command stopped before writing in it
+
+
+def _run(args: argparse.Namespace) -> int:
     # The one import inside a function, on purpose: the commands import Paddle and ppdiffusers (seconds), which
     # ``--help`` and ``--version`` (answered by the parser above) must not wait for; tests/test_cli.py checks it.
     from .bench import commands
 
     configure_logging()  # after Paddle's import, which puts a timestamped handler on the root logger
-
     run = {"demo": commands.run_demo, "bench": commands.run_bench}[args.command]
-    try:
-        run(args)
-    except ValueError as error:  # bad input: a clear message, not a traceback
-        sys.stderr.write(f"ppdiffusers-tome {args.command}: error: {error}\n")
-        return 2
+    run(args)
     return 0
 
 

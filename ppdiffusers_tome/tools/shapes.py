@@ -12,7 +12,7 @@ flat regions, not to fine structure.
 
     >>> from ppdiffusers_tome.tools import shapes
     >>> shapes.DEMO_PROMPT
-    'a large red star at the top left on a blue background'
+    'a small orange circle at the top on a blue background'
 """
 
 from __future__ import annotations
@@ -25,8 +25,10 @@ __all__ = ["DEMO_GUIDANCE", "DEMO_PROMPT", "DEMO_STEPS", "MODEL_DIR", "has_weigh
            "pipeline_folder", "training_info"]
 
 MODEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shapes_model")
-# What the demo draws by default: every word is in the dataset's grammar (a single object, so its position is named)
-DEMO_PROMPT = "a large red star at the top left on a blue background"
+# What the demo draws by default: every word is in the dataset's grammar (a single object, so its position is named),
+# and at the demo's seed 0 the model draws what it says (a small orange blob at the top centre on blue; with "a large
+# red star at the top left" it drew a small red blob at the top centre)
+DEMO_PROMPT = "a small orange circle at the top on a blue background"
 DEMO_GUIDANCE = 4.0  # classifier-free guidance that suits the small model (SD's 7.5 over-saturates its colours)
 DEMO_STEPS = 20  # DDIM steps: the small model needs more than the 8 the random presets are timed with
 

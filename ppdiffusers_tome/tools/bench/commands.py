@@ -3,7 +3,11 @@ line and imports this module only when it runs a command, since it imports Paddl
 
 ``demo`` and ``bench`` share their set-up (:func:`prepare`: validate the ratios and dtype, refuse a resolution
 whose attention cannot fit, set the threads, load the model) and their engine: the demo is one resolution and one
-image per call of the :class:`~ppdiffusers_tome.tools.bench.Runner`, plus the decoded images for its PNG grid."""
+image per call of the :class:`~ppdiffusers_tome.tools.bench.Runner`, plus the decoded images for its PNG grid.
+
+Both write what they measure while they measure it (the demo after every round of timed runs, ``bench`` after
+every resolution x batch), marked ``"complete": false`` until the end, so Ctrl-C keeps the finished part: it
+raises :class:`Interrupted`, which says what was saved."""
 
 from __future__ import annotations
 
@@ -13,7 +17,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +28,7 @@ from ...patch import find_blocks
 from ...planner import finest_block_level
 from .. import presets
 from ..measure import environment, set_threads
+from ..cli import CALIBRATE_NEEDS_GPU
 from ..progress import ProgressBar
 from .calibrate import as_dict as calibration_dict
 from .calibrate import calibrate, format_calibration, gpu_timer
@@ -61,6 +66,27 @@ logger = logging.getLogger(__name__)
 
 # shared set-up ---------------------------------------------------------------------------------------------------
 SHAPES_MODEL = "shapes"  # --model shapes: the trained model shipped in the package
+NOTHING_SAVED = "nothing had been measured yet, so nothing was saved"
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during a command: :attr:`saved` says, in one sentence, what had been written by then."""
+
+    def __init__(self, saved: str):
+        super().__init__(saved)
+        self.saved = saved
+
+
+@contextlib.contextmanager
+def interrupted_saying(saved: Callable[[], str]) -> Iterator[None]:
+    """Turn Ctrl-C inside the ``with`` block into :class:`Interrupted` carrying ``saved()``, the sentence of what
+    had been written when it came."""
+    try:
+        yield
+    except Interrupted:
+        raise
+    except KeyboardInterrupt:
+        raise Interrupted(saved()) from None
 
 
 def resolve_model(args: argparse.Namespace) -> bool:
@@ -162,10 +188,13 @@ def step_bar(pipe, steps: int, desc: str) -> Iterator[ProgressBar]:
 
 
 # demo --------------------------------------------------------------------------------------------------------------
-def measure_demo(prepared: Prepared, args: argparse.Namespace, size: int) -> tuple[list[dict[str, Any]], list[Any]]:
+def measure_demo(prepared: Prepared, args: argparse.Namespace, size: int,
+                 on_round: Callable[[list[dict[str, Any]], list[Any], int], None] | None = None,
+                 ) -> tuple[list[dict[str, Any]], list[Any]]:
     """Vanilla, ToMe at every ``--ratios`` value and (unless ``--cache 0``) ToMe at the largest ratio with a step
     cache of interval ``--cache``, interleaved, at ``size`` px and one image per call, after one 1-step warm-up
-    call: the demo's result rows, and the first image of each method's last run."""
+    call: the demo's result rows, and the first image of each method's last run. ``on_round(rows, images,
+    timed_runs)`` gets the same after every round of timed runs (each method once more)."""
     pipe = prepared.pipe
     logger.info("warming up (%s, %dx%d)", prepared.source, size, size)
     with step_bar(pipe, 1, "warm-up"):
@@ -182,12 +211,18 @@ def measure_demo(prepared: Prepared, args: argparse.Namespace, size: int) -> tup
         label = demo_label(method.name, method.ratio, interval)
         return step_bar(pipe, args.steps, f"{label} run {repeat + 1}/{args.repeats}")
 
-    runner = Runner(pipe, settings, around_run=bar)
-    cells = runner.run_cell(size, 1, methods)
-    failed = [f"{c.label}: {c.status} ({c.reason})" for c in cells if c.status != "ok"]
-    if failed:
-        raise RuntimeError(f"the demo could not measure {'; '.join(failed)}")
-    return demo_rows(cells, runner.outputs), [first_image(runner.outputs[c.label]) for c in cells]
+    def rows_and_images(cells):
+        failed = [f"{c.label}: {c.status} ({c.reason})" for c in cells if c.status != "ok"]
+        if failed:
+            raise RuntimeError(f"the demo could not measure {'; '.join(failed)}")
+        return demo_rows(cells, runner.outputs), [first_image(runner.outputs[c.label]) for c in cells]
+
+    def round_done(cells, timed_runs):
+        if on_round is not None:
+            on_round(*rows_and_images(cells), timed_runs)
+
+    runner = Runner(pipe, settings, around_run=bar, on_round=round_done)
+    return rows_and_images(runner.run_cell(size, 1, methods))
 
 
 def _runs(repeats: int) -> str:
@@ -195,7 +230,8 @@ def _runs(repeats: int) -> str:
 
 
 def run_demo(args: argparse.Namespace) -> dict[str, Any]:
-    """``ppdiffusers-tome demo``: table on stdout, ``demo.png`` and ``results.json`` in ``--output``."""
+    """``ppdiffusers-tome demo``: table on stdout, ``demo.png`` and ``results.json`` in ``--output`` (both written
+    after every round of timed runs too, so Ctrl-C keeps the rounds already finished; see :class:`Interrupted`)."""
     device = default_device()
     shapes = resolve_model(args)
     native = model_layout(args)[1]
@@ -203,28 +239,23 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
         refuse_other_sizes(native, [args.resolution or native], "--resolution")
     size = args.resolution or native
     prepared = prepare(args, args.dtype, [size], 1, "--resolution", device)
-    rows, images = measure_demo(prepared, args, size)
     os.makedirs(args.output, exist_ok=True)
-    png = os.path.join(args.output, "demo.png")
-    demo_grid(rows, images, SHAPES_CAPTION if shapes else "").save(png)
-    settings = {"resolution": size, "steps": args.steps, "repeats": args.repeats, "seed": args.seed,
-                "prompt": args.prompt, "guidance_scale": args.guidance_scale, "max_downsample": args.max_downsample,
-                "batch_size": 1}
-    notes = [text for text in (single_run_note(rows), noise_warning(rows)) if text]
-    if any(row.get("merges_nothing") for row in rows):
-        notes.insert(0, TWIN_LEGEND)
-    data = {
-        "command": "demo",
-        "source": prepared.source,
-        "environment": environment(prepared.threads, args.dtype),
-        "settings": settings,
-        "results": rows,
-        "unstable_runs": unstable_runs(rows),  # (each row's "speedup_range" says how far the noise reaches)
-        "warnings": notes,  # what the output printed under the table: one run, noisy runs, twins of vanilla
-        "png": png,
-    }
-    path = os.path.join(args.output, "results.json")
-    save_json(data, path)  # (PSNR of vanilla is inf: written as the string "inf", keeping the file valid JSON)
+    png, path = os.path.join(args.output, "demo.png"), os.path.join(args.output, "results.json")
+    saved = NOTHING_SAVED
+
+    def write(rows, images, timed_runs):
+        nonlocal saved
+        data = demo_record(args, prepared, size, rows, png, timed_runs)
+        save_png(demo_grid(rows, images, SHAPES_CAPTION if shapes else ""), png)
+        save_json(data, path)  # (PSNR of vanilla is inf: written as the string "inf", keeping the file valid JSON)
+        saved = (f"saved {timed_runs} of {args.repeats} timed runs per method (the rounds finished) in {png} and "
+                 f"{path}")
+        return data
+
+    with interrupted_saying(lambda: saved):
+        rows, images = measure_demo(prepared, args, size, on_round=write)
+        data = write(rows, images, args.repeats)
+    notes = data["warnings"]
     env = data["environment"]
     warning = "".join(text + "\n" for text in notes)
     if shapes:
@@ -235,10 +266,49 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
         about = "" if args.model else "The images are noise: a preset has random weights (use --model for real images).\n"
     sys.stdout.write(
         f"ToMe demo: {prepared.source}, {size}x{size}, {args.steps} steps, {env['dtype']} on {env['device']} "
-        f"({prepared.threads} threads), {_runs(args.repeats)}\nprompt: {args.prompt!r}\n"
+        f"({prepared.threads} threads), "
+        f"{_runs(args.repeats) + (' (a check that it runs, not a measurement)' if args.repeats == 1 else '')}\n"
+        f"prompt: {args.prompt!r}\n"
         f"{format_demo_table(rows)}\n{DEMO_LEGEND}\n{warning}{about}wrote {png} and {path}\n"
     )
     return data
+
+
+def save_png(image: Any, path: str) -> None:
+    """Save the PIL ``image`` as a PNG at ``path`` through a file beside it, so that a run stopped while saving
+    (Ctrl-C) leaves the previous complete image, never half of one."""
+    partial = f"{path}.partial"
+    try:
+        image.save(partial, format="PNG")
+        os.replace(partial, path)
+    except BaseException:
+        if os.path.exists(partial):
+            os.remove(partial)
+        raise
+
+
+def demo_record(args: argparse.Namespace, prepared: Prepared, size: int, rows: list[dict[str, Any]], png: str,
+                timed_runs: int) -> dict[str, Any]:
+    """The demo's ``results.json`` record after ``timed_runs`` of its ``--repeats`` rounds (``"complete"`` once
+    they are all done)."""
+    settings = {"resolution": size, "steps": args.steps, "repeats": args.repeats, "seed": args.seed,
+                "prompt": args.prompt, "guidance_scale": args.guidance_scale, "max_downsample": args.max_downsample,
+                "batch_size": 1}
+    notes = [text for text in (single_run_note(rows), noise_warning(rows)) if text]
+    if any(row.get("merges_nothing") for row in rows):
+        notes.insert(0, TWIN_LEGEND)
+    return {
+        "command": "demo",
+        "complete": timed_runs >= args.repeats,  # false while it runs, and after Ctrl-C
+        "timed_runs_done": timed_runs,
+        "source": prepared.source,
+        "environment": environment(prepared.threads, args.dtype),
+        "settings": settings,
+        "results": rows,
+        "unstable_runs": unstable_runs(rows),  # (each row's "speedup_range" says how far the noise reaches)
+        "warnings": notes,  # what the output printed under the table: one run, noisy runs, twins of vanilla
+        "png": png,
+    }
 
 
 # bench -------------------------------------------------------------------------------------------------------------
@@ -281,6 +351,7 @@ def bench_summary(data: dict[str, Any], cells, settings: BenchSettings, path: st
         f"{_runs(settings.repeats)}",
         "seconds per image (speed-up vs vanilla):",
         format_grid_table(cells, method_list(settings)),
+        *unavailable_lines(cells),
         "",
         format_details(cells),
         "",
@@ -296,6 +367,32 @@ def bench_summary(data: dict[str, Any], cells, settings: BenchSettings, path: st
     return "\n".join(lines) + "\n"
 
 
+def unavailable_lines(cells) -> list[str]:
+    """One line per reason a configuration could not run (``n/a``) or ran out of memory (``OOM``), naming the
+    configurations and where, for under the grid table: the reason is not only in ``results.json``.
+
+    >>> from ppdiffusers_tome.tools.bench.runner import Cell
+    >>> na = dict(method="tome-efficient", status="n/a", reason="no kernel")
+    >>> unavailable_lines([Cell(64, 1, ratio=r, label=f"tome-efficient@{r}", **na) for r in (0.3, 0.5)])
+    ['n/a tome-efficient@0.3, tome-efficient@0.5 (every resolution and batch): no kernel']
+    >>> unavailable_lines([Cell(64, 1, "vanilla", 0.0, "vanilla"), Cell(64, 2, "vanilla", 0.0, "vanilla", status="OOM",
+    ...                                                               reason="out of memory")])
+    ['OOM vanilla (64 px batch 2): out of memory']
+    """
+    groups = {(c.resolution, c.batch) for c in cells}
+    places: dict[tuple[str, str, str], set[tuple[int, int]]] = {}
+    for cell in cells:
+        if cell.status != "ok":
+            places.setdefault((cell.status, cell.label, cell.reason or "no reason recorded"), set()).add(
+                (cell.resolution, cell.batch))
+    lines: dict[tuple[str, str, str], list[str]] = {}  # (status, where, reason) -> labels
+    for (status, label, reason), found in places.items():
+        shown = ("every resolution and batch" if found == groups else
+                 ", ".join(f"{size} px batch {batch}" for size, batch in sorted(found)))
+        lines.setdefault((status, shown, reason), []).append(label)
+    return [f"{status} {', '.join(labels)} ({shown}): {reason}" for (status, shown, reason), labels in lines.items()]
+
+
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     """``ppdiffusers-tome bench``: tables on stdout, ``results.json`` and plots in ``--output``."""
     if getattr(args, "calibrate", False):
@@ -308,14 +405,28 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         refuse_other_sizes(model_layout(args)[1], settings.resolutions, "--resolutions")
     method_list(settings)  # (parses and validates --variants)
     prepared = prepare(args, dtype, settings.resolutions, max(settings.batch_sizes), "--resolutions", device)
-    with ProgressBar(total=grid_steps(settings), desc="bench", unit="runs") as bar:
-        cells = run_grid(prepared.pipe, settings, progress=lambda: bar.update(1), device=device)
-    split = {} if args.no_time_split else measure_time_splits(prepared.pipe, settings, device)
     os.makedirs(args.output, exist_ok=True)
-    data = record(cells, settings, prepared.source, prepared.threads, dtype, split)
-    data["plots"] = [] if args.no_plots else write_plots(cells, split, args.output)
     path = os.path.join(args.output, "results.json")
-    save_json(data, path)
+    groups = len(settings.resolutions) * len(settings.batch_sizes)
+    saved = NOTHING_SAVED
+
+    def keep(cells):  # after every resolution x batch: the finished cells, so that Ctrl-C loses none of them
+        nonlocal saved
+        data = record(cells, settings, prepared.source, prepared.threads, dtype, {})
+        done = len({(c.resolution, c.batch) for c in cells})
+        data.update(complete=False, plots=[], groups_done=f"{done} of {groups} resolution x batch")
+        save_json(data, path)
+        saved = f"saved the {len(cells)} cells of {done} of {groups} resolution x batch in {path}"
+
+    with interrupted_saying(lambda: saved):
+        with ProgressBar(total=grid_steps(settings), desc="bench", unit="runs") as bar:
+            cells = run_grid(prepared.pipe, settings, progress=lambda: bar.update(1), device=device, on_cells=keep)
+        saved += " (the time split and the plots were not made)"
+        split = {} if args.no_time_split else measure_time_splits(prepared.pipe, settings, device)
+        data = record(cells, settings, prepared.source, prepared.threads, dtype, split)
+        data["complete"] = True
+        data["plots"] = [] if args.no_plots else write_plots(cells, split, args.output)
+        save_json(data, path)
     sys.stdout.write(bench_summary(data, cells, settings, path))
     return data
 
@@ -327,11 +438,8 @@ CALIBRATE_RESOLUTIONS, CALIBRATE_IMAGES = (512, 768, 1024), (1, 8)
 def run_calibrate(args: argparse.Namespace) -> dict[str, Any]:
     """``ppdiffusers-tome bench --calibrate --device gpu``: the break-even table on stdout, ``calibration.json`` in
     ``--output``. Refused before anything is built unless a GPU runs it."""
-    if args.device != "gpu":
-        raise ValueError(
-            "--calibrate measures where merging starts to pay on a GPU, so it needs --device gpu. On a CPU "
-            "apply_tome merges at every size by default (policy='auto' is tomesd's there): nothing to calibrate"
-        )
+    if args.device != "gpu":  # (the command line refuses it before it imports this module)
+        raise ValueError(CALIBRATE_NEEDS_GPU)
     device = select_device("gpu")  # a CPU-only build refuses here
     dtype = args.dtype or "float16"
     resolutions = args.resolutions or list(CALIBRATE_RESOLUTIONS)

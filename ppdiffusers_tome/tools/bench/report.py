@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
 from collections.abc import Sequence
 from dataclasses import asdict
@@ -304,9 +305,18 @@ def _json_safe(value: Any) -> Any:
 
 
 def save_json(data: dict[str, Any], path: str) -> None:
-    """Write ``data`` as strict JSON: infinities and NaN become the strings ``"inf"``, ``"-inf"``, ``"nan"``."""
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(_json_safe(data), f, indent=2)
+    """Write ``data`` as strict JSON: infinities and NaN become the strings ``"inf"``, ``"-inf"``, ``"nan"``. The
+    file is written beside ``path`` and then moved over it, so a run stopped while writing (Ctrl-C) leaves the
+    previous complete file, never half of one."""
+    partial = f"{path}.partial"
+    try:
+        with open(partial, "w", encoding="utf-8") as f:
+            json.dump(_json_safe(data), f, indent=2)
+        os.replace(partial, path)
+    except BaseException:  # (Ctrl-C included) no half-written file is left beside the complete one
+        if os.path.exists(partial):
+            os.remove(partial)
+        raise
 
 
 def load_cells(data: dict[str, Any]) -> list[Cell]:

@@ -6,6 +6,7 @@ reads the decoded images and forward times it needs from :attr:`Runner.outputs`.
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import time
 from collections.abc import Callable
@@ -86,16 +87,22 @@ class Runner:
 
     ``progress`` is called after every run (a grid's progress bar); ``around_run(method, repeat)`` returns a
     context manager entered around every run (``repeat`` counts from 0, warm-up runs first), e.g. the demo's bar
-    of denoising steps. After :meth:`run_cell`, :attr:`outputs` holds each method's :class:`RunOutputs`."""
+    of denoising steps; ``on_round(cells, timed_runs)`` is called after every round of timed runs but the last
+    (each method once more; after the last, :meth:`run_cell` returns the cells) with the cells as they stand after
+    ``timed_runs`` runs each (copies, finished as at the end), so a command can save what it measures while it
+    measures it. After :meth:`run_cell`, :attr:`outputs` holds each
+    method's :class:`RunOutputs`."""
 
     def __init__(self, pipe, settings: BenchSettings, progress: Callable[[], None] | None = None,
                  device: Device | None = None,
-                 around_run: Callable[[Method, int], ContextManager[Any]] | None = None):
+                 around_run: Callable[[Method, int], ContextManager[Any]] | None = None,
+                 on_round: Callable[[list[Cell], int], None] | None = None):
         self.pipe = pipe
         self.settings = settings
         self.progress = progress or (lambda: None)
         self.device = device if device is not None else default_device()
         self.around_run = around_run or (lambda method, repeat: contextlib.nullcontext())
+        self.on_round = on_round
         self.outputs: dict[str, RunOutputs] = {}
         self._inputs_key: tuple[int, int] | None = None
         self._inputs_cache: DenoiserInputs | None = None
@@ -180,8 +187,16 @@ class Runner:
                 if cell.status == "ok":
                     self._run_method(cell, method, repeat)
                 self.progress()
+            if self.on_round is not None and s.warmup <= repeat < s.warmup + s.repeats - 1:  # (the last: returned)
+                self.on_round(self._finished_copy(cells, batch), repeat - s.warmup + 1)
         self._finish(cells, batch)
         return list(cells.values())
+
+    def _finished_copy(self, cells: dict[str, Cell], batch: int) -> list[Cell]:
+        """The cells as :meth:`_finish` would leave them now, as copies (the runs go on in ``cells``)."""
+        copied = copy.deepcopy(cells)
+        self._finish(copied, batch)
+        return list(copied.values())
 
     def _run_method(self, cell: Cell, method: Method, repeat: int) -> None:
         """One run of ``method`` into ``cell`` (and :attr:`outputs` when it is a timed run)."""
@@ -256,15 +271,19 @@ class Runner:
 
 
 def run_grid(pipe, settings: BenchSettings, progress: Callable[[], None] | None = None,
-             device: Device | None = None) -> list[Cell]:
+             device: Device | None = None, on_cells: Callable[[list[Cell]], None] | None = None) -> list[Cell]:
     """Measure every resolution x batch x method cell of ``settings`` on ``pipe`` (``device``: see
-    :func:`~ppdiffusers_tome.tools.bench.select_device`; default Paddle's current device)."""
+    :func:`~ppdiffusers_tome.tools.bench.select_device`; default Paddle's current device). ``on_cells`` is
+    called with every cell finished so far each time a resolution x batch is finished (to save them as they
+    come: a long grid interrupted keeps what it measured)."""
     methods = method_list(settings)
     runner = Runner(pipe, settings, progress, device)
     cells: list[Cell] = []
     for size in settings.resolutions:
         for batch in settings.batch_sizes:
             cells.extend(runner.run_cell(size, batch, methods))
+            if on_cells is not None:
+                on_cells(list(cells))
     return cells
 
 
