@@ -46,6 +46,7 @@ _LAZY = {
     "tome_status": "api", "tome_stats": "api", "uninstall_methods": "api", "ToMeConfig": "config",
     "DownsamplePlan": "ops.downsample", "MergePlan": "ops.global_plan",
     "bipartite_soft_matching_random2d": "ops.global_plan", "cache_info": "ops.cache", "clear_cache": "ops.cache",
+    "clear_table_cache": "ops.cache", "table_cache_info": "ops.cache",
     "downsample_tokens": "ops.downsample", "apply_cache": "step_cache", "remove_cache": "step_cache",
     "reset_cache": "step_cache", "cache_status": "step_cache", "CacheConfig": "step_cache",
     "StepPrograms": "cache_export", "ScheduledSteps": "cache_export",
@@ -85,7 +86,7 @@ if not _cli_help_only():
     )
     from .cache_export import ScheduledSteps, StepPrograms
     from .config import ToMeConfig
-    from .ops.cache import cache_info, clear_cache
+    from .ops.cache import cache_info, clear_cache, clear_table_cache, table_cache_info
     from .ops.downsample import DownsamplePlan, downsample_tokens
     from .ops.global_plan import MergePlan, bipartite_soft_matching_random2d
     from .step_cache import CacheConfig, apply_cache, cache_status, remove_cache, reset_cache
@@ -106,6 +107,8 @@ __all__ = [
     "tome_status",
     "tome_stats",
     "bipartite_soft_matching_random2d",
+    "clear_table_cache",
+    "table_cache_info",
     "clear_cache",
     "cache_info",
     "install_methods",

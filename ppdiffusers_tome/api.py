@@ -3,18 +3,22 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 import sys
 import warnings
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple
 
 import paddle
 from ppdiffusers import DiffusionPipeline, ModelMixin
 
-from .config import RatioSpec, ToMeConfig
+from .calls import refuse_if_running
+from .config import ToMeConfig
 from .patch import PATCH_LOCK, ModelPatch, find_blocks, get_patch
+from .registry import original_class, set_original_class
 from .step_cache import apply_cache, get_cache, remove_cache
+from .targets import is_multi_controlnet, pipeline_candidates, resolve
 
 logger = logging.getLogger(__name__)
 
@@ -75,12 +79,11 @@ def _warn_if_half_on_cpu(targets: List[Tuple[str, paddle.nn.Layer]]) -> None:
             return
 
 
-# components of a pipeline that never get ToMe, whatever they contain
-_SKIPPED_COMPONENTS = ("vae", "vqvae", "text_encoder", "tokenizer", "safety_checker", "feature_extractor", "image_encoder")
-
-
-def _is_multi_controlnet(obj: Any) -> bool:
-    return type(obj).__name__ == "MultiControlNetModel" and isinstance(getattr(obj, "nets", None), paddle.nn.LayerList)
+def _is_builtin_block(layer: paddle.nn.Layer) -> bool:
+    """Whether ppdiffusers' built-in ToMe swapped ``layer``'s class for its own (which keeps the original class as
+    ``_parent``), underneath any hooks of this package."""
+    cls = original_class(layer)
+    return cls.__name__.startswith("ToMe") and isinstance(cls.__dict__.get("_parent"), type)
 
 
 def remove_builtin_tome(model: paddle.nn.Layer) -> bool:
@@ -104,97 +107,68 @@ def remove_builtin_tome(model: paddle.nn.Layer) -> bool:
             del layer.__dict__["_tome_info"]
             found = True
         if _is_builtin_block(layer):
-            layer.__class__ = type(layer).__dict__["_parent"]
+            set_original_class(layer, original_class(layer).__dict__["_parent"])
             found = True
     return found
 
 
-def _is_builtin_block(layer: paddle.nn.Layer) -> bool:
-    """Whether ppdiffusers' built-in ToMe swapped ``layer``'s class for its own (which keeps the original class as
-    ``_parent``)."""
-    return type(layer).__name__.startswith("ToMe") and isinstance(type(layer).__dict__.get("_parent"), type)
-
-
-def _refuse_if_busy(targets: List[Tuple[str, paddle.nn.Layer]]) -> None:
-    """Raise before anything changes if another thread is inside a forward of one of ``targets``."""
-    for _, model in targets:
-        patch = get_patch(model)
-        if patch is not None:
-            patch.check_idle()
-
-
-def _bad_input(obj: Any) -> ValueError:
-    return ValueError(
-        "apply_tome/remove_tome expects a ppdiffusers DiffusionPipeline, a model (UNet2DConditionModel, "
-        f"ControlNetModel, MultiControlNetModel, Transformer2DModel) or a non-empty list/tuple of models; got "
-        f"{type(obj).__module__}.{type(obj).__qualname__}"
-    )
-
-
-def _expand(obj: Any, name: str, strict: bool) -> List[Tuple[str, paddle.nn.Layer]]:
-    """The layers inside ``obj`` that are patched on their own (a MultiControlNet is patched net by net).
-    With ``strict``, anything that is not a layer raises; otherwise it is skipped (tokenizers, schedulers)."""
-    if _is_multi_controlnet(obj):
-        return [(f"{name}.nets.{i}", net) for i, net in enumerate(obj.nets)]
-    if isinstance(obj, (list, tuple)):
-        return [item for i, sub in enumerate(obj) for item in _expand(sub, f"{name}[{i}]", strict)]
-    if isinstance(obj, paddle.nn.Layer):
-        return [(name, obj)]
-    if strict:
-        raise _bad_input(obj)
-    return []
+def _is_fused_sd3(model: paddle.nn.Layer) -> bool:
+    """Whether ``model`` is an SD3 transformer that ppdiffusers built with ``INFERENCE_OPTIMIZE=True``: its
+    ``JointTransformerBlock``s are replaced by one fused ``SimplifiedSD3`` layer."""
+    if type(model).__name__ == "SD3Transformer2DModel" and getattr(model, "inference_optimize", False):
+        return True
+    return any(type(layer).__name__ == "SimplifiedSD3" for _, layer in model.named_sublayers(include_self=True))
 
 
 def _unsupported_reason(model: paddle.nn.Layer) -> str:
-    """Why ToMe cannot patch a model with no ``BasicTransformerBlock``, for the error message."""
+    """Why ToMe cannot patch a model with no transformer block it knows (``BasicTransformerBlock``,
+    ``JointTransformerBlock``), for the error message."""
+    if _is_fused_sd3(model):
+        return (
+            f"{type(model).__name__} was built with the environment variable INFERENCE_OPTIMIZE=True: ppdiffusers "
+            "replaced its JointTransformerBlocks by the fused SimplifiedSD3 transformer, which has no blocks to hook, "
+            "so ToMe could not merge anything in it. Unset INFERENCE_OPTIMIZE (or set it to anything but True) "
+            "before building or loading the model"
+        )
     names = {type(layer).__name__ for _, layer in model.named_sublayers() if "Block" in type(layer).__name__}
     blocks = sorted(names, key=lambda n: ("Transformer" not in n and "Attention" not in n, n))  # relevant ones first
-    joint = [b for b in blocks if "Joint" in b]
-    if joint:
-        return (
-            f"{type(model).__name__} is built from {', '.join(joint)}: joint attention runs text and image tokens "
-            "in one sequence, so the image tokens do not form the 2D grid that ToMe's partition needs; it is not "
-            "supported"
-        )
     if blocks:
         return (
             f"{type(model).__name__} is built from {', '.join(blocks[:4])}, not ppdiffusers' BasicTransformerBlock "
-            "(as in UNet2DConditionModel, ControlNetModel and the DiT / PixArt-alpha Transformer2DModel); it is "
-            "not supported"
+            "(as in UNet2DConditionModel, ControlNetModel and the DiT / PixArt-alpha Transformer2DModel) or "
+            "JointTransformerBlock (SD3Transformer2DModel); it is not supported"
         )
     return f"{type(model).__name__} has no transformer blocks (BasicTransformerBlock)"
 
 
+def _has_blocks(model: paddle.nn.Layer) -> bool:
+    return bool(find_blocks(model))
+
+
 def _targets(obj: Any, for_apply: bool) -> List[Tuple[str, paddle.nn.Layer]]:
     """Resolve what ``obj`` means: every model to patch, as ``(name, model)``. Raises ValueError on bad input."""
-    if isinstance(obj, DiffusionPipeline):
-        found = []
-        for name, component in obj.components.items():
-            if not name.startswith(_SKIPPED_COMPONENTS):
-                found.extend(_expand(component, name, strict=False))
-        targets = [(n, m) for n, m in found if find_blocks(m)]
-        if for_apply and not targets:
-            denoisers = [(n, m) for n, m in found if n.startswith(("unet", "transformer", "prior", "decoder"))]
-            detail = "; ".join(_unsupported_reason(m) for _, m in denoisers)
-            raise ValueError(
-                f"{type(obj).__name__} has no component with transformer blocks ToMe can patch (looked at: "
-                f"{', '.join(n for n, _ in found) or 'nothing'}){': ' + detail if detail else ''}. ToMe needs a "
-                "UNet, a ControlNet or a DiT / PixArt-alpha transformer"
-            )
+    pipeline, targets = resolve(obj, "apply_tome/remove_tome", _has_blocks)
+    if not for_apply:
         return targets
-    if not isinstance(obj, (paddle.nn.Layer, list, tuple)):
-        raise _bad_input(obj)
-    layers = _expand(obj, type(obj).__name__, strict=True)
-    if not layers:
-        raise _bad_input(obj)
-    if for_apply:
-        empty = [(n, m) for n, m in layers if not find_blocks(m)]
-        if empty:
-            raise ValueError(
-                f"{'; '.join(_unsupported_reason(m) for _, m in empty)}. Apply ToMe to the pipeline, its unet, its "
-                "controlnet or its DiT / PixArt-alpha transformer, not to the VAE or a text encoder"
-            )
-    return layers
+    if pipeline is not None and not targets:
+        found = pipeline_candidates(pipeline)
+        denoisers = [(n, m) for n, m in found if n.startswith(("unet", "transformer", "prior", "decoder"))]
+        detail = "; ".join(_unsupported_reason(m) for _, m in denoisers)
+        raise ValueError(
+            f"{type(pipeline).__name__} has no component with transformer blocks ToMe can patch (looked at: "
+            f"{', '.join(n for n, _ in found) or 'nothing'}){': ' + detail if detail else ''}. ToMe needs a "
+            "UNet, a ControlNet or a DiT / PixArt-alpha / SD3 transformer"
+        )
+    empty = [(n, m) for n, m in targets if not find_blocks(m)]
+    if empty:
+        reasons = "; ".join(_unsupported_reason(m) for _, m in empty)
+        if all(_is_fused_sd3(m) for _, m in empty):  # (the right model, built the wrong way)
+            raise ValueError(reasons)
+        raise ValueError(
+            f"{reasons}. Apply ToMe to the pipeline, its unet, its controlnet or its DiT / PixArt-alpha / SD3 "
+            "transformer, not to the VAE or a text encoder"
+        )
+    return targets
 
 
 def tome_models(obj: Any, patchable: bool = False) -> List[Tuple[str, paddle.nn.Layer]]:
@@ -211,31 +185,12 @@ def tome_models(obj: Any, patchable: bool = False) -> List[Tuple[str, paddle.nn.
     return _targets(obj, for_apply=patchable)
 
 
-def apply_tome(
-    obj: Any,
-    ratio: RatioSpec = 0.5,
-    max_downsample: Union[int, str] = "auto",
-    sx: int = 2,
-    sy: int = 2,
-    use_rand: bool = True,
-    merge_attn: bool = True,
-    merge_crossattn: bool = False,
-    merge_mlp: bool = False,
-    seed: int = 0,
-    method: str = "tome",
-    downsample_factor: int = 2,
-    downsample_mode: str = "nearest",
-    recompute_every: Union[int, Sequence[int]] = 1,
-    match_window: Optional[int] = None,
-    match_order: str = "grid",
-    share_plan: str = "block",
-    min_tokens: int = 0,
-    deterministic: bool = False,
-    policy: str = "auto",
-    min_work: Optional[int] = None,
-) -> Any:
+def apply_tome(obj: Any, config: Optional[ToMeConfig] = None, **options: Any) -> Any:
     """Patch a pipeline, a UNet, a ControlNet (single or multi), a DiT / PixArt-alpha transformer or a list of
     them with ToMe; returns ``obj``.
+
+    ``config`` is a :class:`ToMeConfig` (for example ``tome_config(other_pipe)``), ``options`` its fields by name
+    (``ratio=0.5, ...``); options given with a config replace those fields of it.
 
     Every model in ``obj`` that holds transformer blocks gets its own patch (the VAE and text encoders never do).
     Applying again replaces the previous settings (twice is the same as once); a model patched by ppdiffusers'
@@ -263,13 +218,7 @@ def apply_tome(
         0.5
         >>> pipe = ppdiffusers_tome.remove_tome(pipe)
     """
-    config = ToMeConfig(
-        ratio=ratio, max_downsample=max_downsample, sx=sx, sy=sy, use_rand=use_rand, merge_attn=merge_attn,
-        merge_crossattn=merge_crossattn, merge_mlp=merge_mlp, seed=seed, method=method,
-        downsample_factor=downsample_factor, downsample_mode=downsample_mode, recompute_every=recompute_every,
-        match_window=match_window, match_order=match_order, share_plan=share_plan, min_tokens=min_tokens,
-        deterministic=deterministic, policy=policy, min_work=min_work,
-    )
+    config = _config_from(config, options)
     targets = _targets(obj, for_apply=True)
     _warn_if_half_on_cpu(targets)
     with PATCH_LOCK:  # atomic: threads applying and removing at once leave one patch per model, or none
@@ -280,11 +229,41 @@ def apply_tome(
     return obj
 
 
+def _config_from(config: Any, options: Dict[str, Any]) -> ToMeConfig:
+    """The config of an ``apply_tome`` call: ``config`` (or the defaults) with ``options`` put in; an unknown option
+    or a ``config`` that is not a :class:`ToMeConfig` raises ``ValueError`` naming it."""
+    if config is not None and not isinstance(config, ToMeConfig):
+        hint = " (the ratio is a keyword: apply_tome(pipe, ratio=0.5))" if isinstance(config, (int, float)) else ""
+        raise ValueError(f"config must be None or a ToMeConfig; got {type(config).__name__} {config!r}{hint}")
+    unknown = sorted(set(options) - set(_FIELDS))
+    if unknown:
+        raise ValueError(f"apply_tome got unknown option(s) {', '.join(unknown)}; the options are the fields of "
+                         f"ToMeConfig: {', '.join(_FIELDS)}")
+    if config is None:
+        return ToMeConfig(**options)
+    return dataclasses.replace(config, **options) if options else config
+
+
+_FIELDS = tuple(field.name for field in dataclasses.fields(ToMeConfig))
+# what help(apply_tome) shows: every option by name with its default, after obj and config
+apply_tome.__signature__ = inspect.Signature(
+    [inspect.Parameter("obj", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+     inspect.Parameter("config", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None)]
+    + [inspect.Parameter(field.name, inspect.Parameter.KEYWORD_ONLY, default=field.default,
+                         annotation=field.type) for field in dataclasses.fields(ToMeConfig)],
+    return_annotation=Any,
+)
+
+
 def _install_everywhere(targets: List[Tuple[str, paddle.nn.Layer]], config: ToMeConfig, train_timesteps: int) -> None:
     """Patch every target, or none: a failure half-way puts back what this package had applied before. (ppdiffusers'
     built-in port stays until every target is patched: our hooks do not depend on the block classes, so a failure
     leaves the built-in patch untouched.)"""
-    _refuse_if_busy(targets)
+    for name, model in targets:
+        refuse_if_running(model, name, "ToMe")
+        patch = get_patch(model)
+        if patch is not None:
+            patch.check_idle()
     previous = [get_patch(model) for _, model in targets]
     previous = [(p.config, p.train_timesteps) if p is not None else None for p in previous]
     installed: List[ModelPatch] = []
@@ -338,7 +317,10 @@ def remove_tome(obj: Any) -> Any:
     """
     targets = _targets(obj, for_apply=False)
     with PATCH_LOCK:  # atomic with respect to apply_tome/remove_tome in other threads
-        _refuse_if_busy(targets)
+        for name, model in targets:
+            patch = get_patch(model)
+            if patch is not None:
+                patch.check_idle()
         for _, model in targets:
             _unpatch(model)
     return obj
@@ -348,9 +330,8 @@ def reset_tome(obj: Any) -> Any:
     """Forget what the patches in ``obj`` remember between calls: cached plans (``recompute_every``), the step
     count and the counters of :func:`tome_stats`. The settings stay. Returns ``obj``.
 
-    A new generation is detected on its own when the timestep goes back up. Call this between two generations
-    when that may not happen, for example after an interrupted run followed by an img2img run that starts at a
-    lower noise level.
+    Every pipeline call starts a new generation on its own (steps are counted by the pipeline's progress bar).
+    Call this between two generations of a model called directly, outside a pipeline.
 
     Example:
         >>> import ppdiffusers_tome
@@ -362,7 +343,7 @@ def reset_tome(obj: Any) -> Any:
     for _, model in _targets(obj, for_apply=False):
         patch = get_patch(model)
         if patch is not None:
-            patch.state.reset()
+            patch.reset()
     return obj
 
 
@@ -387,7 +368,7 @@ def tome_config(obj: Any) -> Optional[ToMeConfig]:
     patch = get_patch(obj)
     if patch is not None:
         return patch.config
-    if not (isinstance(obj, (DiffusionPipeline, list, tuple)) or _is_multi_controlnet(obj)):
+    if not (isinstance(obj, (DiffusionPipeline, list, tuple)) or is_multi_controlnet(obj)):
         return None
     found = [(name, get_patch(model)) for name, model in _targets(obj, for_apply=False)]
     configs = [(name, patch.config) for name, patch in found if patch is not None]
@@ -451,7 +432,7 @@ def tome_status(obj: Any) -> Dict[str, Dict[str, Any]]:
             settings, blocks = builtin_settings, builtin_blocks
         status[name] = {"active": "+".join(active) or None, "settings": settings, "blocks": blocks}
         if patch is not None:
-            decisions = dict(patch.state.decisions)
+            decisions = dict(patch.counters.decisions)
             status[name]["policy"] = {tokens: decisions[tokens].as_dict() for tokens in sorted(decisions)}
         cache = get_cache(model)
         status[name]["cache"] = None if cache is None else cache.status()
@@ -477,17 +458,7 @@ def tome_stats(obj: Any) -> Dict[str, Dict[str, int]]:
     for name, model in _targets(obj, for_apply=False):
         patch = get_patch(model)
         if patch is not None:
-            state = patch.state
-            stats[name] = {
-                "blocks": len(patch.blocks),
-                "calls": state.calls,
-                "merges": state.merges,
-                "plans_computed": state.plans_computed,
-                "plans_reused": state.plans_reused,
-                "plans_shared": state.plans_shared,
-                "blocks_skipped": state.blocks_skipped,
-                "blocks_pooled": state.blocks_pooled,
-            }
+            stats[name] = {"blocks": len(patch.blocks), **patch.counters.as_dict()}
     return stats
 
 

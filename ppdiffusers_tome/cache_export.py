@@ -47,6 +47,10 @@ class _Step(paddle.nn.Layer):
         if getattr(unet, "up_blocks", None) is None:
             raise ValueError(f"step programs are built for a UNet (the shallow branch reads the last deep up block's "
                              f"output); {type(unet).__name__} has no up blocks")
+        if cache.config.layers is not None:
+            raise ValueError(f"step programs keep one feature between the two programs, the last deep up block's "
+                             f"output; with layers={cache.config.layers} the cached step reads the kept outputs of "
+                             "several layers. Apply the cache with layers=None (depth only) to export it")
         self.unet = unet
         self._cache = cache
         self._live = cache.deep[-1][0]  # the last deep up block: up_blocks[-depth - 1]
@@ -54,17 +58,21 @@ class _Step(paddle.nn.Layer):
     def _run(self, feature: Optional[paddle.Tensor], sample: paddle.Tensor, timestep: paddle.Tensor,
              encoder_hidden_states: paddle.Tensor, text_embeds: Optional[paddle.Tensor],
              time_ids: Optional[paddle.Tensor]) -> Tuple[Tuple[paddle.Tensor, ...], Any]:
+        if get_cache(self.unet) is not self._cache:
+            raise ValueError(f"the step cache these step programs were built from is no longer on "
+                             f"{type(self.unet).__name__} (remove_cache or apply_cache since): build StepPrograms "
+                             "again from the model as it is now")
         added = None
         if text_embeds is not None or time_ids is not None:  # SDXL's added conditioning
             added = {"text_embeds": text_embeds, "time_ids": time_ids}
         state = self._cache.thread_state()
         state.program = self.full_step
-        state.kept = {} if feature is None else {self._live: feature}
+        state.kept = {} if feature is None else {0: {self._live: feature}}
         try:
             outputs = self.unet(sample, timestep, encoder_hidden_states, added_cond_kwargs=added, return_dict=False)
             kept = state.pending.get(self._live)
         finally:
-            state.program, state.kept, state.pending, state.in_flight = None, {}, {}, False
+            state.program, state.kept, state.pending = None, {}, {}
         return outputs, kept
 
 
@@ -142,14 +150,15 @@ class StepPrograms:
 class ScheduledSteps:
     """Runs a full and a cached step (eager or converted layers, or loaded programs) on a :class:`CacheConfig`'s
     schedule: call it once per denoising step with the UNet's inputs; :meth:`reset` starts a new generation. The
-    choice is a Python counter on the host. Returns the step's UNet outputs as a tuple (a loaded full program
+    choice is a Python counter on the host; a step whose batch differs from the kept feature's runs in full, as the
+    eager cache does. Returns the step's UNet outputs as a tuple (a loaded full program
     returns ``[sample, feature]``; a loaded cached program the sample)."""
 
     def __init__(self, full: Callable[..., Any], cached: Callable[..., Any], config: CacheConfig):
         if not isinstance(config, CacheConfig):
             raise ValueError(f"config must be a CacheConfig (StepPrograms.config); got {type(config).__name__}")
         self._full, self._cached, self.config = full, cached, config
-        self.full_calls = self.cached_calls = 0
+        self.full_calls = self.cached_calls = self.fallbacks = 0  # fallbacks: cached steps run in full (batch changed)
         self.reset()
 
     def reset(self) -> None:
@@ -158,7 +167,11 @@ class ScheduledSteps:
         self._feature: Optional[paddle.Tensor] = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Tuple[paddle.Tensor, ...]:
-        if self._feature is None or self.config.is_full(self.step):
+        sample = args[0] if args else kwargs.get("sample")
+        batch_changed = self._feature is not None and sample is not None and \
+            int(self._feature.shape[0]) != int(sample.shape[0])
+        if self._feature is None or batch_changed or self.config.is_full(self.step):
+            self.fallbacks += int(batch_changed and not self.config.is_full(self.step))
             result = self._full(*args, **kwargs)
             if isinstance(result[0], (tuple, list)):  # a FullStep layer: ((sample,), feature)
                 outputs, self._feature = tuple(result[0]), result[1]

@@ -1,21 +1,28 @@
-"""Forward hooks that carry ToMe into a model's blocks: registration that survives copies and static-graph
-tracing, and the per-block and per-sub-layer hooks themselves.
+"""ToMe's three hooks (see :mod:`ppdiffusers_tome.registry`): on the model, on each transformer block that can
+merge, and on the sub-layers that run on merged tokens.
 
-A :class:`BlockHooks` asks its patch's :class:`~ppdiffusers_tome.planner.Planner` for the block's plan when the
-block starts and hands it to the state; a :class:`SublayerHooks` merges the input of ``attn1`` (``attn2``/``ff``) with that
-plan and unmerges the output. Every piece of per-call data is written through
-:class:`~ppdiffusers_tome.state.ToMeState`'s methods.
+* :class:`ModelHook` keeps the record of each call (latent size, timestep, kernel family, the ratio now, the call's
+  step and site) for the blocks to read, and puts back the previous record when the call ends, however it ends.
+* :class:`BlockHook` asks its patch for the block's plan (a decision, then a plan; see
+  :mod:`~ppdiffusers_tome.decision` and :mod:`~ppdiffusers_tome.planner`) and holds it, for this thread, while the
+  block runs.
+* :class:`SublayerHook` merges the input of ``attn1`` (``attn2``/``ff``) with that plan, runs the sub-layer on the
+  merged tokens and unmerges its output, so the block's residual add sees full-size tensors, exactly where tomesd
+  merges; with ToDo (and the policy's pooling) it passes the downsampled tokens as the keys and values instead.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, Tuple
+import threading
+from typing import Any, Tuple
 
 import paddle
 
 from .ops.downsample import DownsamplePlan
+from .ops.runtime import begin_eager, end_eager
+from .registry import Hook
 
-__all__ = ["BlockHooks", "HookCall", "HookRecord", "SublayerHooks", "TENSOR_TYPES"]
+__all__ = ["BlockHook", "ModelHook", "SublayerHook", "TENSOR_TYPES"]
 
 
 def _tensor_types() -> Tuple[type, ...]:
@@ -31,112 +38,97 @@ def _tensor_types() -> Tuple[type, ...]:
 TENSOR_TYPES = _tensor_types()
 
 
-class HookCall:
-    """A hook as a plain callable object calling ``owner.<method>``. Unlike a bound method it survives Paddle's
-    SOT tracer (which writes a bound method's repr into its guard code) and ``copy.deepcopy`` alike."""
+class ModelHook(Hook):
+    """ToMe on the model: one :class:`~ppdiffusers_tome.state.CallRecord` per call, for this thread."""
 
-    def __init__(self, owner: Any, method: str) -> None:
-        self.owner = owner
-        self.method = method
+    def __init__(self, patch: Any) -> None:
+        self.patch = patch
 
-    def __call__(self, *args):
-        return getattr(self.owner, self.method)(*args)
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        patch = self.patch
+        record = patch.begin_call(args, kwargs)
+        local = patch.local
+        outer = local.call
+        local.call = record
+        eager = begin_eager()
+        try:
+            output = self.next(*args, **kwargs)
+        finally:
+            end_eager(eager)
+            local.call = outer
+        patch.end_call(record)
+        return output
 
 
-class HookRecord:
-    """One registered hook, removable from the layer's own hook tables (unlike Paddle's HookRemoveHelper, whose
-    weak references would still point at the original model after ``copy.deepcopy``)."""
+class _Slot(threading.local):
+    plan: Any = None  # the plan of the block call in flight in this thread
 
-    _TABLES = {
-        "pre": ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs_flag"),
-        "post": ("_forward_post_hooks", "_forward_post_hooks_with_kwargs_flag", "_forward_post_hooks_always_called"),
-    }
 
-    def __init__(self, layer: paddle.nn.Layer, kind: str, owner: Any, method: str) -> None:
-        self.layer = layer
-        self.kind = kind
-        hook = HookCall(owner, method)
-        if kind == "pre":
-            handle = layer.register_forward_pre_hook(hook, with_kwargs=True)
+class BlockHook(Hook):
+    """Plans one transformer block's merge from its input and holds the plan while the block runs."""
+
+    def __init__(self, patch: Any, index: int) -> None:
+        self.patch = patch
+        self.index = index  # the block's place among all the model's transformer blocks
+        self.slot = _Slot()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        hidden = args[0] if args else kwargs.get("hidden_states")
+        patch = self.patch
+        call = patch.local.call
+        if call is None:  # no call in flight: a checkpointed block recomputed during backward
+            plan = patch.recompute.replayed(self.index, hidden)
         else:
-            handle = layer.register_forward_post_hook(hook, with_kwargs=True, always_call=True)
-        self.hook_id = handle._hook_id
+            plan = patch.plan_block(self.index, hidden, call)
+        if plan is None:
+            return self.next(*args, **kwargs)
+        slot = self.slot
+        outer = slot.plan
+        slot.plan = plan
+        try:
+            return self.next(*args, **kwargs)
+        finally:
+            slot.plan = outer
 
-    def __setstate__(self, state: Dict[str, Any]) -> None:
-        # unpickled in a fresh process: Paddle's hook-id counter starts again at 0 there, and the next hook
-        # registered would take this id and overwrite this hook in the layer's table
+    def __getstate__(self) -> dict:
+        state = Hook.__getstate__(self)
+        state.pop("slot", None)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        helper = paddle.nn.layer.layers.HookRemoveHelper
-        helper.next_hook_id = max(helper.next_hook_id, self.hook_id + 1)
-
-    def remove(self) -> None:
-        for table in self._TABLES[self.kind]:
-            getattr(self.layer, table, {}).pop(self.hook_id, None)
+        self.slot = _Slot()
 
 
-class SublayerHooks:
-    """Merge the input of one sub-layer (attn1, attn2 or ff) of one block and unmerge its output."""
+class SublayerHook(Hook):
+    """Runs one sub-layer (``attn1``, ``attn2`` or ``ff``) of a block on merged tokens."""
 
-    def __init__(self, block: "BlockHooks", name: str, self_attention: bool):
+    def __init__(self, block: BlockHook, self_attention: bool) -> None:
         self.block = block
-        self.name = name
         self.self_attention = self_attention
-        self.key = f"{block.index}/{name}"
 
-    def before(self, layer, args, kwargs):
-        state = self.block.patch.state
-        state.end_merge(self.key)  # (a leftover of a call that failed half-way)
-        plan = state.plan_of(self.block.index)
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        plan = self.block.slot.plan
         if plan is None or plan.is_identity:
-            return None
+            return self.next(*args, **kwargs)
         if self.self_attention and kwargs.get("attention_mask") is not None:
-            return None  # a mask over N keys cannot follow merged keys
-        from_kwargs = not args
-        x = kwargs.get("hidden_states") if from_kwargs else args[0]
-        if not isinstance(x, TENSOR_TYPES) or x.ndim != 3:
-            return None
-        if x.shape[0] != plan.batch_size or x.shape[1] != plan.num_tokens:
-            return None  # e.g. chunked feed-forward: leave such calls alone
+            return self.next(*args, **kwargs)  # a mask over N keys cannot follow merged keys
+        x = args[0] if args else kwargs.get("hidden_states")
+        if not isinstance(x, TENSOR_TYPES) or x.ndim != 3 or x.shape[0] != plan.batch_size or \
+                x.shape[1] != plan.num_tokens:
+            return self.next(*args, **kwargs)  # e.g. chunked feed-forward: leave such calls alone
+        counters = self.block.patch.counters
         if isinstance(plan, DownsamplePlan):  # ToDo: queries stay, keys/values come from the downsampled tokens
             if not self.self_attention or kwargs.get("encoder_hidden_states") is not None:
-                return None  # not self-attention after all (only_cross_attention blocks)
-            state.begin_merge(self.key, None)
-            return args, dict(kwargs, encoder_hidden_states=plan.keys_values(x))
+                return self.next(*args, **kwargs)  # not self-attention after all (only_cross_attention blocks)
+            counters.merges += 1
+            return self.next(*args, **dict(kwargs, encoder_hidden_states=plan.keys_values(x)))
+        counters.merges += 1
         merged = plan.merge(x)
-        state.begin_merge(self.key, plan)
-        if from_kwargs:
-            return args, dict(kwargs, hidden_states=merged)
-        return (merged,) + tuple(args[1:]), kwargs
-
-    def after(self, layer, args, kwargs, output):
-        plan = self.block.patch.state.end_merge(self.key)
-        if plan is None or output is None:  # output is None when the sub-layer raised (hooks run anyway)
-            return None
+        if args:
+            output = self.next(merged, *args[1:], **kwargs)
+        else:
+            output = self.next(*args, **dict(kwargs, hidden_states=merged))
         if isinstance(output, (tuple, list)):
             return type(output)([plan.unmerge(output[0]), *output[1:]])
         return plan.unmerge(output)
-
-
-class BlockHooks:
-    """Plans the merge of one transformer block from its input, for its sub-layer hooks to use."""
-
-    def __init__(self, patch: Any, index: int):
-        self.patch = patch  # the ModelPatch this block belongs to (it plans; its state records)
-        self.index = index
-
-    def before(self, layer, args, kwargs):
-        hidden = args[0] if args else kwargs.get("hidden_states")
-        patch = self.patch
-        if patch.state.latent_hw is None:  # no call in flight: a checkpointed block recomputed during backward
-            plan = patch.recompute.replayed(self.index, hidden)
-        else:
-            plan = patch.planner.plan_for(self.index, hidden)
-            if plan is not None and patch.recompute.possible:
-                patch.recompute.keep(self.index, hidden, plan)
-        if plan is not None:
-            patch.state.set_plan(self.index, plan)
-        return None
-
-    def after(self, layer, args, kwargs, output):
-        self.patch.state.end_block(self.index)
-        return None

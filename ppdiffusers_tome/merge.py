@@ -7,7 +7,7 @@ The code lives in :mod:`ppdiffusers_tome.ops`, one job per module; import from h
 'ppdiffusers_tome.ops.global_plan'
 """
 
-from .ops.cache import DEFAULT_CACHE_BYTES, cache_info, clear_cache
+from .ops.cache import DEFAULT_CACHE_BYTES, cache_info, clear_cache, clear_table_cache, table_cache_info
 from .ops.downsample import DOWNSAMPLE_MODES, DownsamplePlan, downsample_tokens
 from .ops.feature_order import feature_partition_table
 from .ops.global_plan import GroupMergePlan, MergePlan, bipartite_soft_matching_random2d
@@ -29,6 +29,7 @@ __all__ = [
     "bipartite_soft_matching_random2d",
     "cache_info",
     "clear_cache",
+    "clear_table_cache",
     "compute_dtype",
     "converting",
     "device_kind",
@@ -41,6 +42,7 @@ __all__ = [
     "partition_table",
     "similarity_dtype",
     "step_key",
+    "table_cache_info",
     "tracing",
     "window_partition_table",
     "window_sides",

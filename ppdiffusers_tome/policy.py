@@ -22,13 +22,14 @@ A program traced with a dynamic batch cannot read its batch size: the decision t
 from __future__ import annotations
 
 import logging
+import numbers
 from dataclasses import fields
 from typing import Any
 
 from .config import ToMeConfig
 from .ops.runtime import device_kind, tracing
 
-__all__ = ["ASSUMED_BATCH", "MERGE_MIN_WORK", "POOL_MIN_RATIO", "POOL_MIN_WORK", "Decision", "Policy",
+__all__ = ["ASSUMED_BATCH", "JOINT_MIN_WORK", "MERGE_MIN_WORK", "POOL_MIN_RATIO", "POOL_MIN_WORK", "Decision", "Policy",
            "pools_by_default"]
 
 logger = logging.getLogger(__name__)
@@ -39,6 +40,13 @@ logger = logging.getLogger(__name__)
 # 2.7e8 = 2**28 (512 px, eight images: 0.96-1.08x), gaining above it.
 POOL_MIN_WORK = 2**26
 MERGE_MIN_WORK = 2**28
+# SD3's MMDiT (on paper, not measured on a GPU): merging there also shrinks the image stream's projections and MLP, a
+# block's FLOPs grow about linearly in the tokens, and every block runs at the full token count. On an H100 a block of
+# SD3-medium at 1024 px, batch 2 (4096 image tokens: batch * tokens**2 = 3.4e7) is about 1.5 ms of FP16 work, of
+# which merging half the image tokens saves about 0.7 ms, more than a plan's ~1 ms of host time, which the GPU's work
+# hides; at 512 px (2.1e6) the block is 0.3 ms and the plan's host time is not hidden. 2**23 = 8.4e6 sits between
+# the two on a log scale (docs/gpu.md, the SD3 section).
+JOINT_MIN_WORK = 2**23
 ASSUMED_BATCH = 2
 POOL_MIN_RATIO = 0.3  # the smallest ratio at which K/V pooling was measured closer to vanilla than merging
 
@@ -56,17 +64,33 @@ class Decision:
     def why(self) -> str:
         """One line: the numbers behind the choice."""
         batch = f"batch {self.batch}" if self.batch >= 0 else f"dynamic batch (assumed {ASSUMED_BATCH})"
-        size = f"{batch} x {self.tokens} tokens on {self.kernels.upper()} kernels: batch * tokens**2 = {self.work:.3g}"
+        size = (f"{batch} x {self.tokens} tokens on {self.kernels.upper()} kernels: "
+                f"batch * tokens**2 = {_exact(self.work)}")
         if self.policy == "tomesd":
             return f"{size}; policy='tomesd' merges every eligible block"
         if self.action == SKIP:
-            return f"{size} < min_work = {self.threshold:.3g}: merging would cost more than it saves"
+            return f"{size} < min_work = {_exact(self.threshold)}: merging would cost more than it saves"
         plan = "K/V pooling (the cheapest plan, closest to vanilla)" if self.action == POOL else "the settings' plan"
-        return f"{size} >= min_work = {self.threshold:.3g}: {plan}"
+        return f"{size} >= min_work = {_exact(self.threshold)}: {plan}"
 
     def as_dict(self) -> dict[str, Any]:
         return {"action": self.action, "kernels": self.kernels, "batch": self.batch, "tokens": self.tokens,
                 "work": self.work, "min_work": self.threshold, "why": self.why()}
+
+
+def _exact(number: float) -> str:
+    """``number`` with every digit, so that two numbers compared in :meth:`Decision.why` never print alike: an
+    integer in full (with its power of ten when it is large, for reading), anything else as Python's shortest
+    exact form.
+
+    >>> _exact(131072), _exact(2**28), _exact(1.5)
+    ('131072', '268435456 (2.68e+08)', '1.5')
+    """
+    if isinstance(number, float) and number.is_integer() or isinstance(number, numbers.Integral):
+        number = int(number)
+    if isinstance(number, int):
+        return f"{number} ({number:.3g})" if abs(number) >= 10**6 else str(number)
+    return repr(number)
 
 
 class Policy:
@@ -81,20 +105,24 @@ class Policy:
     'merge'
     """
 
-    def __init__(self, config: ToMeConfig):
+    def __init__(self, config: ToMeConfig, joint: bool = False):
         self.name = config.policy
         self.auto = config.policy == "auto"
         self.min_work = config.min_work
-        self.pools = self.auto and pools_by_default(config)
+        # SD3's joint attention has no image keys and values of their own to pool: it merges where it pays
+        self.pools = self.auto and not joint and pools_by_default(config)
+        self.merge_min_work = JOINT_MIN_WORK if joint else MERGE_MIN_WORK
         self._decisions: dict[tuple[str, int, int], Decision] = {}
         self.warned = False
 
     def decide(self, hidden: Any, kernels: str | None = None) -> Decision:
         """The decision for a block input ``hidden`` (``[B, N, C]``) on ``kernels`` (default: its place)."""
-        kernels = kernels or device_kind(hidden)
         batch = hidden.shape[0]
         batch = -1 if batch is None or batch < 0 else int(batch)
-        tokens = int(hidden.shape[1])
+        return self.decide_shape(kernels or device_kind(hidden), batch, int(hidden.shape[1]))
+
+    def decide_shape(self, kernels: str, batch: int, tokens: int) -> Decision:
+        """The decision for block calls of ``batch`` (``-1``: dynamic) x ``tokens`` on ``kernels``."""
         key = f"{kernels}/{batch}/{tokens}"  # (a str key and no dict.get: what Paddle's SOT tracer can follow)
         if key in self._decisions:
             return self._decisions[key]
@@ -110,7 +138,7 @@ class Policy:
         if self.min_work is not None:
             threshold = self.min_work
         elif kernels == "gpu":
-            threshold = POOL_MIN_WORK if pools else MERGE_MIN_WORK
+            threshold = POOL_MIN_WORK if pools else self.merge_min_work
         else:
             threshold = 0
         if work < threshold:

@@ -7,15 +7,17 @@ plan needs is built on the device the first time and kept here, bounded by entri
 from __future__ import annotations
 
 import threading
+import warnings
 from collections import OrderedDict
 from typing import Any, Callable, Dict, Sequence
 
 import numpy as np
 import paddle
 
-from .runtime import tracing
+from .runtime import EAGER, tracing
 
-__all__ = ["CACHE", "DEFAULT_CACHE_BYTES", "DeviceCache", "cache_info", "clear_cache", "const", "constant"]
+__all__ = ["CACHE", "DEFAULT_CACHE_BYTES", "DeviceCache", "batch_tables", "cache_info", "clear_cache", "clear_table_cache", "const",
+           "constant", "table_cache_info"]
 
 DEFAULT_CACHE_BYTES = 64 * 2**20  # device memory the cache may hold; a table larger than this is built at each use
 _MISSING = object()
@@ -47,7 +49,7 @@ class DeviceCache:
 
     def get(self, key: Any, build: Callable[..., Any], *args: Any) -> Any:
         """``build(*args)``, computed once per ``key`` and place; while tracing, built every time."""
-        if tracing():
+        if not EAGER.known and tracing():
             return build(*args)
         key = (key, str(paddle.device.get_device()))
         with self._lock:
@@ -91,29 +93,63 @@ class DeviceCache:
 CACHE = DeviceCache()
 
 
-def clear_cache() -> int:
+def clear_table_cache() -> int:
     """Free the device tensors ToMe keeps between calls: index tables per grid and batch, constants, and zero
-    buffers the size of a merged activation. Returns the bytes released (as counted by :func:`cache_info`).
+    buffers the size of a merged activation. Returns the bytes released (as counted by :func:`table_cache_info`).
 
-    The cache is shared by every model in the process and holds at most 64 entries and 64 MiB; clearing it is safe
-    at any time (a call in flight keeps the tensors it already uses, and later calls build what they need again).
+    The table cache is shared by every model in the process and holds at most 64 entries and 64 MiB; clearing it is
+    safe at any time (a call in flight keeps the tensors it already uses, and later calls build what they need
+    again). (Not the step cache of ``apply_cache``, nor the plans kept by ``recompute_every``.)
 
     >>> import ppdiffusers_tome
-    >>> freed = ppdiffusers_tome.clear_cache()
-    >>> ppdiffusers_tome.cache_info()["entries"]
+    >>> freed = ppdiffusers_tome.clear_table_cache()
+    >>> ppdiffusers_tome.table_cache_info()["entries"]
     0
     """
     return CACHE.clear()
 
 
-def cache_info() -> Dict[str, int]:
-    """What ToMe's device cache holds now: ``entries``, ``bytes``, and its bounds ``max_entries`` and
+def table_cache_info() -> Dict[str, int]:
+    """What ToMe's device table cache holds now: ``entries``, ``bytes``, and its bounds ``max_entries`` and
     ``max_bytes`` (a table larger than ``max_bytes`` is not kept; the least recently used entries go first).
 
-    >>> sorted(cache_info())
+    >>> sorted(table_cache_info())
     ['bytes', 'entries', 'max_bytes', 'max_entries']
     """
     return CACHE.info()
+
+
+def clear_cache() -> int:
+    """Deprecated name of :func:`clear_table_cache` (0.12.0; "cache" alone now means the step cache of
+    ``apply_cache``): warns, then does the same."""
+    warnings.warn("ppdiffusers_tome.clear_cache is deprecated: call clear_table_cache (the device tables of the merge "
+                  "core; the step cache is apply_cache's)", DeprecationWarning, stacklevel=2)
+    return clear_table_cache()
+
+
+def cache_info() -> Dict[str, int]:
+    """Deprecated name of :func:`table_cache_info` (0.12.0): warns, then does the same."""
+    warnings.warn("ppdiffusers_tome.cache_info is deprecated: call table_cache_info (the device tables of the merge "
+                  "core; the step cache's state is cache_status)", DeprecationWarning, stacklevel=2)
+    return table_cache_info()
+
+
+def batch_tables(name: str, batch: int, like: paddle.Tensor, build: Callable[..., Any], *args: Any,
+                 per_item: int = 1) -> Any:
+    """``build(count, *args)``: tables for ``batch`` items, cached per ``(name, batch, *args)`` in eager mode; while
+    tracing a dynamic batch (``batch < 0``) built from the runtime shape of ``like``, whose first axis holds
+    ``per_item`` rows per item (so the program follows its input's batch). The one way every per-batch table of the
+    merge core is made.
+
+    >>> import paddle
+    >>> offsets = batch_tables("doc", 2, None, lambda count, n: paddle.arange(count) * n, 5)
+    >>> offsets.tolist()
+    [0, 5]
+    """
+    if batch < 0:
+        count = paddle.shape(like)[0]
+        return build(count // per_item if per_item != 1 else count, *args)
+    return CACHE.get((name, batch) + args, build, batch, *args)
 
 
 def const(values: Any, dtype: str = "int64") -> paddle.Tensor:

@@ -17,7 +17,7 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 
-from .cache import CACHE, const
+from .cache import CACHE, batch_tables, const
 from .partition import variant_index
 from .runtime import dtype_name, tracing
 from .similarity import normalize_rows, similarity_dtype
@@ -156,10 +156,8 @@ def _src_then_dst(batch: int, win: Windows, like: paddle.Tensor) -> paddle.Tenso
     """``[B*N]`` int64: the places of a flattened ``[B, N]`` table of src runs then dst runs (per item) that list
     every item's src, then every item's dst (cached per batch size; from the runtime shape of ``like``, ``[B,
     ...]``, while tracing a dynamic batch)."""
-    if batch < 0:
-        return _build_src_then_dst(paddle.shape(like)[0], win.count * win.num_src, win.count * win.size)
-    return CACHE.get(("src_then_dst", batch, win.count * win.num_src, win.count * win.size), _build_src_then_dst,
-                     batch, win.count * win.num_src, win.count * win.size)
+    return batch_tables("src_then_dst", batch, like, _build_src_then_dst, win.count * win.num_src,
+                        win.count * win.size)
 
 
 def _build_src_then_dst(batch: Any, num_src: int, tokens: int) -> paddle.Tensor:
@@ -172,10 +170,8 @@ def _build_src_then_dst(batch: Any, num_src: int, tokens: int) -> paddle.Tensor:
 def _item_offsets(batch: int, tokens: int, like: paddle.Tensor) -> paddle.Tensor:
     """``[B, 1]`` int64: the first row of every item of a flattened ``[B*N, ...]`` tensor (cached per batch size in
     eager mode; from the runtime shape of ``like``, ``[B, ...]``, while tracing a dynamic batch)."""
-    if batch < 0:
-        return (paddle.arange(paddle.shape(like)[0], dtype="int64") * tokens).unsqueeze(-1)
-    return CACHE.get(("item_offsets", batch, tokens), _build_item_offsets, batch, tokens)
+    return batch_tables("item_offsets", batch, like, _build_item_offsets, tokens)
 
 
-def _build_item_offsets(batch: int, tokens: int) -> paddle.Tensor:
+def _build_item_offsets(batch: Any, tokens: int) -> paddle.Tensor:
     return (paddle.arange(batch, dtype="int64") * tokens).unsqueeze(-1)

@@ -21,7 +21,7 @@ from typing import Any, Callable, Dict, Iterator, Optional
 import paddle
 import paddle.nn.functional as F
 
-from .cache import CACHE
+from .cache import batch_tables
 from .partition import GeneratorLike, cell_count, generator_seed, grid, partition_table
 from .runtime import compute_dtype, device_kind, dtype_name
 from .similarity import best_dst
@@ -162,10 +162,15 @@ class MergePlan:
 
     # application ------------------------------------------------------------------------------------------------
     def check(self, x: paddle.Tensor, tokens: int, what: str) -> None:
-        """Raise ``ValueError`` unless ``x`` is ``[batch_size, tokens, C]``."""
+        """Raise ``ValueError`` unless ``x`` is ``[batch_size, tokens, C]``. While tracing, a dimension that the
+        graph does not know (``-1``) is accepted: an attention processor that cuts its output out of a longer
+        sequence (SD3's joint attention: ``joint[:, :image_tokens]`` after a ``reshape([B, -1, C])``) leaves the
+        token count unknown to the static graph, although it is ``tokens`` at run time."""
         batch = x.shape[0] if x.ndim == 3 else None
         same_batch = batch == self.batch_size or self.batch_size < 0 or (batch is not None and batch < 0)
-        if x.ndim != 3 or not same_batch or x.shape[1] != tokens:
+        count = x.shape[1] if x.ndim == 3 else None
+        same_tokens = count == tokens or (count is not None and count < 0)
+        if x.ndim != 3 or not same_batch or not same_tokens:
             raise ValueError(
                 f"{what} expects a [batch={self.batch_size}, tokens={tokens}, channels] tensor, got shape {list(x.shape)}"
             )
@@ -283,10 +288,7 @@ def _batch_tables(batch: int, num_tokens: int, merged_tokens: int, kept: int, li
     (row of each item's first dst in the merged output), ``rows_m`` (``[B, M]``: every merged row), and constant
     columns for the scatter and the group counts. Cached per batch size in eager mode; built from the tensor's
     runtime shape while tracing (a dynamic batch is ``-1`` there)."""
-    if batch < 0:
-        return _build_batch_tables(paddle.shape(like)[0], num_tokens, merged_tokens, kept)
-    return CACHE.get(("batch", batch, num_tokens, merged_tokens, kept), _build_batch_tables, batch, num_tokens,
-                     merged_tokens, kept)
+    return batch_tables("batch", batch, like, _build_batch_tables, num_tokens, merged_tokens, kept)
 
 
 def _build_batch_tables(count: Any, num_tokens: int, merged_tokens: int, kept: int) -> Dict[str, Any]:
@@ -304,9 +306,7 @@ def _build_batch_tables(count: Any, num_tokens: int, merged_tokens: int, kept: i
 def _group_batch_tables(batch: int, num_dst: int, length: int, like: paddle.Tensor) -> Dict[str, Any]:
     """Per-batch tables of the group merge: ``dst_keys`` (``[B, Nd]``: ``2d``), a ``spare`` key row, and ``last``
     (``[B, 1]``: ``b * length - 1``, turning an item's group end count into a flat row)."""
-    if batch < 0:
-        return _build_group_tables(paddle.shape(like)[0], num_dst, length)
-    return CACHE.get(("groups", batch, num_dst, length), _build_group_tables, batch, num_dst, length)
+    return batch_tables("groups", batch, like, _build_group_tables, num_dst, length)
 
 
 def _build_group_tables(count: Any, num_dst: int, length: int) -> Dict[str, Any]:

@@ -27,7 +27,7 @@ import paddle
 import paddle.nn.functional as F
 from paddle import _C_ops
 
-from .cache import CACHE
+from .cache import CACHE, batch_tables
 from .feature_order import match_feature_windows
 from .global_plan import MergePlan
 from .runtime import compute_dtype, device_kind, dtype_name, tracing
@@ -251,10 +251,8 @@ def put_along(arr: paddle.Tensor, indices: paddle.Tensor, values: paddle.Tensor)
 def _local_tables(batch: int, win: Windows, m_w: int, like: paddle.Tensor) -> Dict[str, Any]:
     """Per-batch tables of a local plan: cached per batch size in eager mode, built from the runtime shape of
     ``like`` (``[B*W, ...]``) while tracing a dynamic batch."""
-    if batch < 0:
-        return _build_local_tables(paddle.shape(like)[0] // win.count, win.count, win.size, win.num_src, m_w)
-    return CACHE.get(("local", batch, win.count, win.size, win.num_src, m_w), _build_local_tables, batch, win.count,
-                     win.size, win.num_src, m_w)
+    return batch_tables("local", batch, like, _build_local_tables, win.count, win.size, win.num_src, m_w,
+                        per_item=win.count)
 
 
 def _build_local_tables(batch: Any, count: int, size: int, num_src: int, m_w: int) -> Dict[str, Any]:

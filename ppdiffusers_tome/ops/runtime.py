@@ -8,13 +8,14 @@ which is how the GPU family's logic is tested and counted on a machine without a
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from typing import Any, Iterator, Optional
 
 import paddle
 
-__all__ = ["KINDS", "compute_dtype", "converting", "device_kind", "dtype_name", "force_kernels", "forced_kernels",
-           "tracing"]
+__all__ = ["KINDS", "begin_eager", "compute_dtype", "converting", "device_kind", "dtype_name", "end_eager",
+           "force_kernels", "forced_kernels", "known_eager", "tracing"]
 
 KINDS = ("cpu", "gpu")
 LOW_PRECISION = ("float16", "bfloat16")
@@ -23,11 +24,13 @@ _forced: Optional[str] = None  # written only by force_kernels, under _forced_lo
 _forced_lock = threading.Lock()
 
 
+@functools.lru_cache(maxsize=64)  # (a hit runs no Python frame: called several times per merging block)
 def dtype_name(dtype: Any) -> str:
     """``"float32"`` for ``paddle.float32`` (and for the string itself)."""
     return str(dtype).replace("paddle.", "")
 
 
+@functools.lru_cache(maxsize=64)
 def compute_dtype(dtype: Any) -> str:
     """The dtype in which merge arithmetic runs for activations of ``dtype``: float16 and bfloat16 are promoted to
     float32 (a mean over many tokens loses precision in half types, and Paddle's CPU build has no half-precision
@@ -48,12 +51,39 @@ except ImportError:  # pragma: no cover - older Paddle
     _in_sot_simulation = _in_to_static = None
 
 
+class _Eager(threading.local):
+    known = False  # True while a model call that this package hooks is known to run eagerly, in this thread
+
+
+EAGER = _Eager()  # read by the device cache; written only through begin_eager / end_eager
+
+
+def begin_eager() -> bool:
+    """Note for this thread whether the model call starting now runs eagerly (not traced), so that the merge core
+    need not ask Paddle again at every table it looks up; returns the previous note, for :func:`end_eager`."""
+    previous = EAGER.known
+    EAGER.known = not tracing()
+    return previous
+
+
+def end_eager(previous: bool) -> None:
+    """Put back the note :func:`begin_eager` replaced (the model call has ended)."""
+    EAGER.known = previous
+
+
+def known_eager() -> bool:
+    """Whether the model call in flight in this thread is known to run eagerly (see :func:`begin_eager`)."""
+    return EAGER.known
+
+
 def tracing() -> bool:
     """Whether this code is being converted to a static graph (``paddle.jit.to_static``) rather than run eagerly.
 
     In the default SOT mode Paddle simulates the bytecode and answers ``in_sot_simulation_mode()`` with True; the
     functions are imported once at module level, since an ``import`` statement inside the simulation breaks the
     graph and would run this check natively (where it says False)."""
+    if EAGER.known:
+        return False
     if not paddle.in_dynamic_mode():
         return True
     if _in_to_static is None:  # pragma: no cover - older Paddle

@@ -7,11 +7,12 @@ half-precision tokens in half precision; the CPU family makes fewer passes over 
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Tuple
 
 import paddle
 
-from .cache import CACHE, constant
+from .cache import batch_tables, constant
 from .runtime import LOW_PRECISION, dtype_name, tracing
 
 __all__ = ["best_dst", "clear_non_finite", "normalize_rows", "similarity_dtype", "unit_rows"]
@@ -19,6 +20,7 @@ __all__ = ["best_dst", "clear_non_finite", "normalize_rows", "similarity_dtype",
 _TINY = 1.1754944e-38  # smallest normal float32
 
 
+@functools.lru_cache(maxsize=64)  # (a hit runs no Python frame)
 def similarity_dtype(dtype: Any, kind: str) -> str:
     """The dtype in which tokens are normalised and compared (the ``[B, Ns, Nd]`` similarity) for tokens of
     ``dtype`` on ``kind`` kernels: a GPU keeps float16/bfloat16 (tensor cores, half the bytes of the largest
@@ -127,9 +129,7 @@ def _score_offsets(batch: int, num_src: int, num_dst: int, like: paddle.Tensor) 
     """``[B, Ns]`` offset of each score row in the flattened ``[B, Ns, Nd]`` similarity (for reading each row's best
     score with one gather instead of a second pass over the matrix); from the runtime shape of ``like`` while
     tracing a dynamic batch (``batch < 0``)."""
-    if batch < 0:
-        return _build_score_offsets(paddle.shape(like)[0], num_src, num_dst)
-    return CACHE.get(("score_rows", batch, num_src, num_dst), _build_score_offsets, batch, num_src, num_dst)
+    return batch_tables("score_rows", batch, like, _build_score_offsets, num_src, num_dst)
 
 
 def _build_score_offsets(count: Any, num_src: int, num_dst: int) -> paddle.Tensor:

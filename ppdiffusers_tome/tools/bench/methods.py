@@ -44,7 +44,8 @@ class TruncationPlan:
 class BoundPlanner(Planner):
     """ToMe's level selection, with the matching replaced by :class:`TruncationPlan`."""
 
-    def global_plan(self, block_index: int, hidden: Any, grid_h: int, grid_w: int, r: int) -> TruncationPlan:
+    def global_plan(self, block_index: int, hidden: Any, grid_h: int, grid_w: int, r: int,
+                    call: Any = None) -> TruncationPlan:
         return TruncationPlan(hidden.shape[1], hidden.shape[0], r)
 
 
@@ -278,6 +279,9 @@ def set_efficient_attention(pipe, enabled: bool) -> None:
             pipe.enable_xformers_memory_efficient_attention()
         except (NotImplementedError, ValueError, RuntimeError) as error:
             pipe.disable_xformers_memory_efficient_attention()
+            if not paddle.is_compiled_with_cuda():  # the usual case, said plainly rather than in ppdiffusers' words
+                raise NotSupported("efficient attention unavailable: this PaddlePaddle is a CPU build, and Paddle's "
+                                   "memory-efficient attention needs a GPU build (paddlepaddle-gpu)") from error
             raise NotSupported(f"efficient attention unavailable: {str(error).splitlines()[0][:120]}") from error
     else:
         try:

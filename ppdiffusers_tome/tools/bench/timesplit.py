@@ -108,8 +108,8 @@ def time_split(pipe, settings: BenchSettings, size: int, batch: int, method: Met
         for layer in [block.attn1 for model in models for _, block in find_blocks(model)]:
             clock.hook(layer, outer=ours)
         patches = [p for p in (get_patch(m) for m in models) if p is not None]
-        for patch in patches:
-            patch.planner.plan_for = clock.timed(patch.planner.plan_for)  # an instance attribute over the method
+        for patch in patches:  # an instance attribute over the planner's method that makes a block's plan
+            patch.planner.plan = clock.timed(patch.planner.plan)
         if method.name == "builtin":
             restore_builtin = _time_builtin_matching(clock)
         inputs = DenoiserInputs(pipe, size, batch, settings.seed)
@@ -122,7 +122,7 @@ def time_split(pipe, settings: BenchSettings, size: int, batch: int, method: Met
     finally:
         clock.remove()
         for patch in patches:
-            patch.planner.__dict__.pop("plan_for", None)
+            patch.planner.__dict__.pop("plan", None)
         if restore_builtin is not None:
             restore_builtin()
         api.remove_tome(pipe)

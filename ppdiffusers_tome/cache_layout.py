@@ -1,0 +1,246 @@
+"""Which parts of a model the step cache keeps, and the hooks that keep them: one layout per kind of model.
+
+**UNets and ControlNets** (:class:`UNetLayout`). The deep parts return, on a cached step, their output of the last
+full step without computing anything. With ``depth=d``: ``down_blocks[d:]``, ``mid_block``, ``up_blocks[:-d]`` and
+the downsampler of ``down_blocks[d - 1]`` (its output feeds only deep blocks). With ``depth=1, layers=k`` the cut
+goes inside the first level, as DeepCache's finer branches do: of the last up block only its last ``k`` layers
+(a layer is a resnet and the attention after it, or a resnet alone) run on a cached step, from the kept output of the
+layer before them; of the first down block only the first ``k - 1`` layers run, the ones whose outputs those ``k``
+layers read as skip connections (with ``conv_in``'s output, which always runs). DeepCache's ``cache_branch_id=b``
+on SD-1.5 keeps what ``layers=b + 1`` keeps for ``b`` in 0 and 1; its ``b=2`` is ``depth=1`` without ``layers``.
+
+**Transformer-only models** (:class:`TransformerLayout`: SD3's MMDiT, DiT, PixArt-alpha). With ``depth=d`` the
+first and the last ``d`` transformer blocks run on every step; the blocks between form one segment whose
+contribution (output minus input, per stream) is kept on a full step and added to the segment's input on a cached
+step, the segment's other blocks passing their input through.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Tuple
+
+import paddle
+
+from .registry import Hook
+
+__all__ = ["Layout", "TransformerLayout", "UNetLayout", "layout_of"]
+
+Parts = List[Tuple[str, paddle.nn.Layer]]
+
+
+def _first_tensor(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+    return args[0] if args else kwargs.get("hidden_states", kwargs.get("sample"))
+
+
+class Layout:
+    """The deep parts of one model (``deep``: ``(name, layer)`` in call order) and the hooks that keep them."""
+
+    deep: Parts
+
+    def hooks(self, cache: Any) -> List[Tuple[Hook, paddle.nn.Layer]]:
+        raise NotImplementedError
+
+    def hooked(self) -> Parts:
+        """Every layer :meth:`hooks` puts a hook on."""
+        return self.deep
+
+
+class _KeptOutput(Hook):
+    """A deep part of a UNet: on a full step it runs and its output is kept; on a cached step it returns its kept
+    output. The first deep part a call reaches checks that the input has the kept step's shape (else the call runs
+    in full)."""
+
+    def __init__(self, cache: Any, name: str, first: bool) -> None:
+        self.cache, self.name, self.first = cache, name, first
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        step = self.cache.step
+        mode = step.mode
+        if mode is None:  # outside the model's forward, or with gradients on
+            return self.next(*args, **kwargs)
+        if self.first and step.program is None:
+            shape = tuple(_first_tensor(args, kwargs).shape)
+            if mode == "cached" and shape != step.kept[step.site].get("__shape__"):
+                step.mode = mode = "full"  # another size or batch than the kept step: compute it all
+                self.cache.fallbacks += 1
+            if mode == "full":
+                step.pending["__shape__"] = shape
+        if mode == "cached":
+            kept = step.kept.get(step.site, {})
+            if self.name in kept:
+                return kept[self.name]
+            return self._stand_in(args, kwargs)
+        output = self.next(*args, **kwargs)
+        step.pending[self.name] = output
+        return output
+
+    def _stand_in(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        """What a deep part whose output nothing reads returns on a cached step of a step program: its own input,
+        in the structure of its output (a down block: hidden states and one residual per output), at no cost."""
+        hidden = _first_tensor(args, kwargs)
+        layer = self.layer
+        if not self.name.startswith("down_blocks") or self.name.count(".") > 1:
+            return hidden
+        count = len(layer.resnets) + len(getattr(layer, "downsamplers", None) or ())
+        return hidden, (hidden,) * count
+
+
+def _pairs(block: paddle.nn.Layer, prefix: str) -> List[Parts]:
+    """The layers of a UNet block, in call order: each resnet with the attention after it (when the block has
+    attentions)."""
+    attentions = getattr(block, "attentions", None) or []
+    layers = []
+    for i, resnet in enumerate(block.resnets):
+        layer = [(f"{prefix}.resnets.{i}", resnet)]
+        if i < len(attentions):
+            layer.append((f"{prefix}.attentions.{i}", attentions[i]))
+        layers.append(layer)
+    return layers
+
+
+class UNetLayout(Layout):
+    """The deep parts of a UNet or ControlNet (see the module docstring)."""
+
+    def __init__(self, model: paddle.nn.Layer, depth: int, layers: Optional[int]):
+        down, up = model.down_blocks, getattr(model, "up_blocks", None)
+        deep: Parts = []
+        if layers is not None:
+            # of the first down block, the layers from the k-th on (their outputs feed only skipped layers)
+            deep += [part for pair in _pairs(down[0], "down_blocks.0")[layers - 1:] for part in pair]
+        samplers = getattr(down[depth - 1], "downsamplers", None) or []
+        deep += [(f"down_blocks.{depth - 1}.downsamplers.{i}", sampler) for i, sampler in enumerate(samplers)]
+        deep += [(f"down_blocks.{i}", down[i]) for i in range(depth, len(down))]
+        if getattr(model, "mid_block", None) is not None:
+            deep.append(("mid_block", model.mid_block))
+        if up is not None:
+            deep += [(f"up_blocks.{i}", up[i]) for i in range(len(up) - depth)]
+            if layers is not None:
+                last = len(up) - 1
+                pairs = _pairs(up[last], f"up_blocks.{last}")
+                deep += [part for pair in pairs[: len(pairs) - layers] for part in pair]
+        self.deep = deep
+
+    def hooks(self, cache: Any) -> List[Tuple[Hook, paddle.nn.Layer]]:
+        return [(_KeptOutput(cache, name, first=i == 0), layer) for i, (name, layer) in enumerate(self.deep)]
+
+
+def _check_unet(model: paddle.nn.Layer, depth: int, layers: Optional[int], name: str) -> None:
+    down, up = model.down_blocks, getattr(model, "up_blocks", None)
+    if not depth < len(down) or (up is not None and len(up) != len(down)):
+        raise ValueError(f"depth must be in [1, {len(down) - 1}] for {name} ({len(down)} down blocks: at least one "
+                         f"level must stay deep); got {depth}")
+    if layers is not None:
+        count = len((up[-1] if up is not None else down[0]).resnets)
+        first = len(down[0].resnets)
+        most = min(count - 1, first + 1) if up is not None else first + 1
+        if not layers <= most:
+            raise ValueError(f"layers must be in [1, {most}] for {name} (the last up block has {count} layers, the "
+                             f"first down block {first}; at least one layer of the last up block must be cached); "
+                             f"got {layers}")
+
+
+class _Segment(Hook):
+    """A block of a transformer's cached segment (see the module docstring)."""
+
+    def __init__(self, cache: Any, first: bool, last: bool, joint: bool) -> None:
+        self.cache, self.first, self.last, self.joint = cache, first, last, joint
+
+    def _streams(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Any, ...]:
+        """The block's input streams: ``(image,)``, or ``(image, text)`` for a joint (SD3) block."""
+        image = args[0] if args else kwargs.get("hidden_states")
+        if not self.joint:
+            return (image,)
+        text = args[1] if len(args) > 1 else kwargs.get("encoder_hidden_states")
+        return image, text
+
+    def _output(self, streams: Tuple[Any, ...]) -> Any:
+        """``streams`` in the structure of the block's output (a joint block returns ``(text, image)``)."""
+        return (streams[1], streams[0]) if self.joint else streams[0]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        step = self.cache.step
+        mode = step.mode
+        if mode is None:
+            return self.next(*args, **kwargs)
+        streams = self._streams(args, kwargs)
+        if self.first and step.program is None:
+            shape = tuple(streams[0].shape)
+            if mode == "cached" and shape != step.kept[step.site].get("__shape__"):
+                step.mode = mode = "full"
+                self.cache.fallbacks += 1
+            if mode == "full":
+                step.pending["__shape__"] = shape
+        if mode == "cached":
+            if not self.first:
+                return self._output(streams)
+            delta = step.kept[step.site]["__delta__"]
+            return self._output(tuple(x + d if d is not None else x for x, d in zip(streams, delta)))
+        if self.first:
+            step.pending["__input__"] = streams
+        output = self.next(*args, **kwargs)
+        if self.last:
+            out = (output[1], output[0]) if self.joint else (output,)
+            start = step.pending.pop("__input__")
+            step.pending["__delta__"] = tuple(None if o is None or s is None else o - s for o, s in zip(out, start))
+        return output
+
+
+class TransformerLayout(Layout):
+    """The cached segment of a transformer-only model (see the module docstring)."""
+
+    def __init__(self, model: paddle.nn.Layer, depth: int):
+        blocks = model.transformer_blocks
+        self.blocks = [(f"transformer_blocks.{i}", block) for i, block in enumerate(blocks)]
+        self.deep = self.blocks[depth: len(blocks) - depth]
+        self.joint = type(blocks[0]).__name__ == "JointTransformerBlock"
+
+    def hooks(self, cache: Any) -> List[Tuple[Hook, paddle.nn.Layer]]:
+        last = len(self.deep) - 1
+        return [(_Segment(cache, i == 0, i == last, self.joint), layer) for i, (_, layer) in enumerate(self.deep)]
+
+
+def _is_unet(model: Any) -> bool:
+    down = getattr(model, "down_blocks", None)
+    return isinstance(down, paddle.nn.LayerList) and len(down) >= 2
+
+
+def _is_transformer(model: Any) -> bool:
+    blocks = getattr(model, "transformer_blocks", None)
+    return isinstance(blocks, paddle.nn.LayerList) and len(blocks) >= 3 and getattr(model, "down_blocks", None) is None
+
+
+def layout_of(model: Any, config: Any, name: Optional[str] = None) -> Optional[Layout]:
+    """The layout of ``model`` for ``config`` (a :class:`~ppdiffusers_tome.step_cache.CacheConfig`). With
+    ``config=None``: whether a step cache can go on ``model`` at all (a layout at the defaults, or None). With a
+    config, a model that has no such structure, or settings it cannot take, raise ``ValueError`` naming the
+    argument and its range.
+
+    >>> from ppdiffusers_tome.testing import tiny_unet
+    >>> from ppdiffusers_tome.step_cache import CacheConfig
+    >>> [name for name, _ in layout_of(tiny_unet(), CacheConfig(depth=1)).deep][:2]
+    ['down_blocks.0.downsamplers.0', 'down_blocks.1']
+    """
+    name = name or type(model).__name__
+    if _is_unet(model):
+        depth, layers = (1, None) if config is None else (config.depth, config.layers)
+        if config is not None:
+            _check_unet(model, depth, layers, name)
+        return UNetLayout(model, depth, layers)
+    if _is_transformer(model):
+        count = len(model.transformer_blocks)
+        if config is None:
+            return TransformerLayout(model, 1)
+        if config.layers is not None:
+            raise ValueError(f"layers={config.layers} cuts inside a UNet's first level; {name} is a transformer-only "
+                             "model: leave layers=None and choose depth (blocks that run at each end)")
+        if not 2 * config.depth < count:
+            raise ValueError(f"depth must be in [1, {(count - 1) // 2}] for {name} ({count} transformer blocks: "
+                             f"depth at each end run, at least one between is cached); got {config.depth}")
+        return TransformerLayout(model, config.depth)
+    if config is None:
+        return None
+    raise ValueError(
+        f"apply_cache needs a UNet2DConditionModel, a ControlNetModel (down_blocks, mid_block, up_blocks) or a "
+        f"transformer-only model with at least 3 transformer_blocks (SD3, DiT, PixArt-alpha); {name} "
+        f"({type(model).__name__}) is neither"
+    )

@@ -1,0 +1,204 @@
+"""What a transformer block call does, decided in one place (tomesd's ``compute_merge``): a pure function of the
+block's input shape, the call (latent size, kernel family, ratio now, finest level so far) and the settings.
+
+:func:`decide` answers, in this order: does anything merge at all; which token grid and level the block is at, and
+whether that level merges; is the block below ``min_tokens``; what the policy says for its size and kernels (skip,
+K/V pooling, or the settings' plan, see :mod:`~ppdiffusers_tome.policy`); ToDo's downsampling; whether the grid
+holds a cell and the ratio leaves a token to merge. It returns a :class:`BlockDecision` with the reason in words, and
+writes nothing: counting, planning and reporting are the hooks' (:mod:`~ppdiffusers_tome.hooks`). Its answers are
+memoised by the hooks, so a block call that does not merge costs one dictionary lookup.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional, Tuple
+
+import paddle
+
+from .config import ToMeConfig, tokens_to_merge
+from .ops.partition import find_downsample
+from .ops.windows import window_sides
+from .policy import POOL, SKIP, Policy
+from .state import ToMeStaticGraphError
+
+__all__ = ["MERGE", "OFF", "POOLED", "SKIPPED", "TODO", "BlockDecision", "Settings", "decide",
+           "finest_block_level", "patch_size_of"]
+
+OFF, SKIPPED, POOLED, TODO, MERGE = "off", "skip", "pool", "todo", "merge"
+# the rules that decide, in the order they are asked
+REASONS = ("nothing", "no_grid", "level", "min_tokens", "policy", "todo", "no_cell", "ratio0", "rounds", "merge")
+
+
+def finest_block_level(model: Any, blocks: list[tuple[str, Any]]) -> int | None:
+    """The smallest downsampling factor at which any of ``blocks`` runs, read from the model's structure (a UNet's
+    or ControlNet's ``down_blocks``/``mid_block``/``up_blocks`` and their down/upsamplers), over the whole model:
+    for a UNet whose 1x transformer blocks are only in the up path it is 1 although the down path reaches its
+    first transformer block at 2x. None when the structure is not of that kind (then the finest level seen so far
+    in the call decides).
+
+    >>> from ppdiffusers_tome.testing import tiny_unet
+    >>> from ppdiffusers_tome.patch import find_blocks
+    >>> unet = tiny_unet()
+    >>> finest_block_level(unet, find_blocks(unet))
+    1
+    """
+    levels = block_levels(model, blocks)
+    return None if levels is None else min(levels, default=None)
+
+
+def block_levels(model: Any, blocks: list[tuple[str, Any]]) -> list[int] | None:
+    """The downsampling factor of every block of ``blocks`` from the model's structure, or None when it is not a
+    UNet's (see :func:`finest_block_level`)."""
+    downs = getattr(model, "down_blocks", None)
+    if not isinstance(downs, paddle.nn.LayerList):
+        return None
+    level, levels = 1, {}
+    for i, block in enumerate(downs):
+        levels[f"down_blocks.{i}."] = level
+        if getattr(block, "downsamplers", None):
+            level *= 2
+    levels["mid_block."] = level
+    ups = getattr(model, "up_blocks", None)
+    for i, block in enumerate(ups if isinstance(ups, paddle.nn.LayerList) else []):
+        levels[f"up_blocks.{i}."] = level
+        if getattr(block, "upsamplers", None):
+            level = max(level // 2, 1)
+    found = []
+    for name, _ in blocks:
+        matches = [value for prefix, value in levels.items() if name.startswith(prefix)]
+        if not matches:
+            return None  # a transformer block outside the known structure: decide at run time
+        found.append(matches[0])
+    return found
+
+
+def patch_size_of(model: Any) -> int | None:
+    """The patch size of a transformer-only model whose blocks all run on the patch grid (DiT, PixArt-alpha, SD3's
+    MMDiT), else None."""
+    if getattr(model, "is_input_patches", False):
+        return int(model.patch_size)
+    embed = getattr(model, "pos_embed", None)
+    if type(embed).__name__ == "PatchEmbed" and getattr(model, "transformer_blocks", None) is not None:
+        return int(model.config.patch_size)
+    return None
+
+
+class Settings:
+    """What :func:`decide` reads about one patched model, fixed when ToMe is applied: the config's choices and,
+    from the model, the finest block level (``max_downsample="auto"``) and the patch size of a transformer-only
+    model (DiT, PixArt-alpha: every block runs on the patch grid)."""
+
+    def __init__(self, config: ToMeConfig, model: Any, blocks: list[tuple[str, Any]]):
+        self.todo = config.method == "todo"
+        # with every sub-layer switched off nothing runs on merged tokens: then nothing is planned either
+        self.merges_something = self.todo or config.merge_attn or config.merge_crossattn or config.merge_mlp
+        self.auto_level = config.max_downsample == "auto"
+        self.max_downsample = None if self.auto_level else int(config.max_downsample)
+        self.patch_size: int | None = patch_size_of(model)
+        # SD3's joint attention has no separate keys and values of the image stream to pool: there the policy
+        # merges where it pays instead of pooling
+        self.joint = any(type(block).__name__ == "JointTransformerBlock" for _, block in blocks)
+        self.auto_finest: int | None = None
+        if self.auto_level and self.patch_size is None:
+            self.auto_finest = finest_block_level(model, blocks)
+        self.min_tokens = config.min_tokens
+        self.sx, self.sy = config.sx, config.sy
+        self.factor, self.mode = config.downsample_factor, config.downsample_mode
+        self.match_window = config.match_window
+        self.policy = Policy(config, joint=self.joint)
+
+
+class BlockDecision:
+    """What one block call does: ``action`` (``"off"``: not a merging block in this call, ``"skip"``: it would
+    merge but ``min_tokens`` or the policy said no, ``"pool"``: the policy's K/V pooling, ``"todo"``: ToDo's
+    downsampling, ``"merge"``: a merge plan at ``ratio``), the block's ``level`` and ``grid`` (when known), the
+    policy's decision (when asked); ``reason`` names the rule that decided (one of :data:`REASONS`) and ``why``
+    says it in words."""
+
+    __slots__ = ("action", "reason", "level", "grid_h", "grid_w", "ratio", "policy", "why", "tokens")
+
+    def __init__(self, action: str, reason: str, why: str, grid: Optional[Tuple[int, int, int]] = None,
+                 ratio: float = 0.0, policy: Any = None, tokens: int = 0) -> None:
+        self.action, self.reason, self.why, self.ratio, self.policy = action, reason, why, ratio, policy
+        self.level, self.grid_h, self.grid_w = grid if grid is not None else (None, 0, 0)
+        self.tokens = tokens  # with reason "rounds": the tokens the ratio is applied to (a block's or a window's)
+
+    def __repr__(self) -> str:
+        return f"BlockDecision({self.action!r}, level={self.level}, grid={self.grid_h}x{self.grid_w}: {self.why})"
+
+
+def grid_of(settings: Settings, latent_hw: Tuple[int, int], tokens: int) -> Optional[Tuple[int, int, int]]:
+    """``(level, grid_h, grid_w)`` of a block with ``tokens`` tokens in a call with latent ``latent_hw``, or None
+    when the tokens form no grid of it."""
+    latent_h, latent_w = latent_hw
+    if settings.patch_size is not None:  # every block of a patch transformer runs on the patch grid
+        grid_h, grid_w = latent_h // settings.patch_size, latent_w // settings.patch_size
+        return (1, grid_h, grid_w) if grid_h * grid_w == tokens else None
+    level = find_downsample(latent_h, latent_w, tokens)
+    if level is None:
+        return None
+    return level, math.ceil(latent_h / level), math.ceil(latent_w / level)
+
+
+def decide(settings: Settings, tokens: int, batch: int, grid: Optional[Tuple[int, int, int]], finest: Optional[int],
+           kernels: str, ratio: float) -> BlockDecision:
+    """The decision for a block call with ``tokens`` tokens and ``batch`` items (``-1``: a dynamic batch while
+    tracing) on ``grid`` (from :func:`grid_of`), ``finest`` the finest level seen so far in the call, on
+    ``kernels`` (``"cpu"``/``"gpu"``), at merge ``ratio``.
+
+    >>> from ppdiffusers_tome.testing import tiny_unet
+    >>> from ppdiffusers_tome.patch import find_blocks
+    >>> unet = tiny_unet()
+    >>> settings = Settings(ToMeConfig(), unet, find_blocks(unet))
+    >>> decide(settings, 256, 2, grid_of(settings, (16, 16), 256), 1, "cpu", 0.5).action
+    'merge'
+    >>> decide(settings, 64, 2, grid_of(settings, (16, 16), 64), 1, "cpu", 0.5).why
+    'level 2 is above the finest level with transformer blocks (1, max_downsample="auto")'
+    """
+    if not settings.merges_something:
+        return BlockDecision(OFF, "nothing", "merge_attn, merge_crossattn and merge_mlp are all False")
+    if grid is None:
+        return BlockDecision(OFF, "no_grid", "the tokens form no grid of the latent")
+    level, grid_h, grid_w = grid
+    if settings.auto_level:
+        limit = settings.auto_finest if settings.auto_finest is not None else finest
+        if level > limit:
+            return BlockDecision(OFF, "level", f"level {level} is above the finest level with transformer blocks ({limit}, "
+                                 'max_downsample="auto")', grid)
+    elif level > settings.max_downsample:
+        return BlockDecision(OFF, "level", f"level {level} is above max_downsample={settings.max_downsample}", grid)
+    if settings.min_tokens:
+        if batch < 0:
+            raise ToMeStaticGraphError(
+                f"ToMe with min_tokens={settings.min_tokens} compares batch * tokens with it, but this program's "
+                "batch is dynamic; give the InputSpec a fixed batch or set min_tokens=0 before converting"
+            )
+        if batch * tokens < settings.min_tokens:
+            return BlockDecision(SKIPPED, "min_tokens", f"batch * tokens = {batch * tokens} < min_tokens = {settings.min_tokens}",
+                                 grid)
+    policy = settings.policy.decide_shape(kernels, batch, tokens)
+    if policy.action == SKIP:
+        return BlockDecision(SKIPPED, "policy", policy.why(), grid, policy=policy)
+    if policy.action == POOL:
+        return BlockDecision(POOLED, "policy", policy.why(), grid, policy=policy)
+    if settings.todo:
+        return BlockDecision(TODO, "todo", f"ToDo: keys and values downsampled by {settings.factor}", grid, policy=policy)
+    sx, sy = settings.sx, settings.sy
+    if (grid_h // sy) * (grid_w // sx) == 0:
+        return BlockDecision(OFF, "no_cell", f"the {grid_h}x{grid_w} grid holds no {sy}x{sx} cell", grid, policy=policy)
+    if ratio <= 0:
+        return BlockDecision(OFF, "ratio0", "the ratio is 0", grid, policy=policy)
+    if settings.match_window is None:
+        if tokens_to_merge(tokens, ratio) <= 0:
+            return BlockDecision(OFF, "rounds", f"int({tokens} * {ratio:g}) = 0 tokens to merge", grid, policy=policy,
+                                 tokens=tokens)
+    else:
+        wy, wx = window_sides(grid_h, grid_w, settings.match_window, sx, sy)
+        cells = (wy // sy) * (wx // sx)
+        if cells == 0:
+            return BlockDecision(OFF, "no_cell", f"no {wy}x{wx} window holds a {sy}x{sx} cell", grid, policy=policy)
+        if min(tokens_to_merge(wy * wx, ratio), wy * wx - cells) <= 0:
+            return BlockDecision(OFF, "rounds", f"int({wy * wx} * {ratio:g}) = 0 tokens to merge in each "
+                                 f"{wy * wx}-token match_window", grid, policy=policy, tokens=wy * wx)
+    return BlockDecision(MERGE, "merge", f"merge at ratio {ratio:g}", grid, ratio, policy)
