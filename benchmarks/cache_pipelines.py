@@ -1,5 +1,6 @@
 """Step caching on whole pipeline calls, over several seeds: time per image, speed-up and distance of the final image
-from vanilla's, per configuration (vanilla, ToMe 0.5, cache 2 / 3 / 5, ToMe 0.5 + cache 3, ToDo + cache 3).
+from vanilla's, per configuration (vanilla, ToMe 0.5, cache 2 / 3 / 5, ToMe 0.5 + cache 3, ToDo + cache 3, and the
+finer branches cache 3 with layers 2 / 1 and ToMe 0.5 + cache 3 with layers 1).
 
 For every seed the preset's pipeline (random weights built once from ``--weights-seed``) makes one call per
 configuration from the same initial latents (generator seed = seed), the configurations in a rotated order so that
@@ -43,6 +44,10 @@ CONFIGS: Dict[str, Method] = {
     "cache 5": Method("cache", cache={"interval": 5}),
     "ToMe 0.5 + cache 3": Method("tome", 0.5, cache={"interval": 3}),
     "ToDo + cache 3": Method("todo", cache={"interval": 3}),
+    # DeepCache's finer branches: a cached step runs only the last 2 (1) layers of the last up block
+    "cache 3, layers 2": Method("cache", cache={"interval": 3, "layers": 2}),
+    "cache 3, layers 1": Method("cache", cache={"interval": 3, "layers": 1}),
+    "ToMe 0.5 + cache 3, layers 1": Method("tome", 0.5, cache={"interval": 3, "layers": 1}),
 }
 PROMPT = "a lighthouse on a cliff at sunset"
 

@@ -140,7 +140,7 @@ def test_bound_method_merges_in_the_same_blocks_as_tome():
         bench.configure(pipe, method, max_downsample=1)
         with paddle.no_grad():
             pipe.unet(*inputs)
-        counts[method.name] = (get_patch(pipe.unet).state.merged_blocks, get_patch(pipe.unet).state.merges)
+        counts[method.name] = (get_patch(pipe.unet).merged_blocks, get_patch(pipe.unet).counters.merges)
         ppdiffusers_tome.remove_tome(pipe)
     assert counts["tome"] == counts["bound"] == (3, 3)
     assert get_patch(pipe.unet) is None

@@ -2,6 +2,9 @@
 
 import numpy as np
 import paddle
+import pytest
+
+import ppdiffusers_tome
 
 import ppdiffusers_tome.merge as merge_module
 from ppdiffusers_tome.merge import (
@@ -28,7 +31,7 @@ def test_the_device_cache_is_safe_for_threads_planning_at_many_shapes(monkeypatc
             time.sleep(0)
             return super().move_to_end(*args, **kwargs)
 
-    merge_module.clear_cache()
+    merge_module.clear_table_cache()
     monkeypatch.setattr(cache_module.CACHE, "size", 4)  # evictions all the time
     monkeypatch.setattr(cache_module.CACHE, "items", Yielding())
     errors, start = [], threading.Barrier(4)
@@ -54,14 +57,14 @@ def test_the_device_cache_is_safe_for_threads_planning_at_many_shapes(monkeypatc
     assert not errors, errors[:3]
     assert len(cache_module.CACHE.items) <= 4
     assert cache_module.CACHE.bytes == sum(cache_module._nbytes(v) for v in cache_module.CACHE.items.values())
-    merge_module.clear_cache()  # (the test's table goes)
+    merge_module.clear_table_cache()  # (the test's table goes)
 
 
 def test_the_device_cache_is_bounded_in_bytes_and_can_be_cleared(monkeypatch):
     import ppdiffusers_tome
 
-    ppdiffusers_tome.clear_cache()
-    assert ppdiffusers_tome.cache_info()["entries"] == 0 and ppdiffusers_tome.cache_info()["bytes"] == 0
+    ppdiffusers_tome.clear_table_cache()
+    assert ppdiffusers_tome.table_cache_info()["entries"] == 0 and ppdiffusers_tome.table_cache_info()["bytes"] == 0
     limit = 2**20
     monkeypatch.setattr(cache_module.CACHE, "max_bytes", limit)
     rng = np.random.default_rng(0)
@@ -70,14 +73,23 @@ def test_the_device_cache_is_bounded_in_bytes_and_can_be_cleared(monkeypatch):
         x = paddle.to_tensor(rng.standard_normal((batch, 256, 320)).astype("float32"))
         plan = bipartite_soft_matching_random2d(x, 16, 16, 2, 2, 128, no_rand=True)
         expected[batch] = (x, plan, plan.merge(x).numpy())
-        info = ppdiffusers_tome.cache_info()
+        info = ppdiffusers_tome.table_cache_info()
         assert info["bytes"] <= limit and info["max_bytes"] == limit, info
     assert info["entries"] > 0
     sizes = [cache_module._nbytes(value) for value in cache_module.CACHE.items.values()]
     assert sum(sizes) == info["bytes"] and max(sizes) <= limit
-    freed = ppdiffusers_tome.clear_cache()
+    freed = ppdiffusers_tome.clear_table_cache()
     assert freed == info["bytes"] > 0
-    assert ppdiffusers_tome.cache_info()["entries"] == 0 and ppdiffusers_tome.cache_info()["bytes"] == 0
+    assert ppdiffusers_tome.table_cache_info()["entries"] == 0 and ppdiffusers_tome.table_cache_info()["bytes"] == 0
     for x, plan, merged in expected.values():  # plans made before the clear still merge, and the same
         np.testing.assert_array_equal(plan.merge(x).numpy(), merged)
     assert merge_module.DEFAULT_CACHE_BYTES == cache_module.DeviceCache().max_bytes == 64 * 2**20
+
+
+def test_the_old_names_of_the_table_cache_warn_and_still_work():
+    ppdiffusers_tome.table_cache_info()
+    with pytest.warns(DeprecationWarning, match="clear_table_cache"):
+        freed = ppdiffusers_tome.clear_cache()
+    with pytest.warns(DeprecationWarning, match="table_cache_info"):
+        info = ppdiffusers_tome.cache_info()
+    assert freed >= 0 and info == ppdiffusers_tome.table_cache_info() and info["entries"] == 0

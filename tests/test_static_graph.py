@@ -8,7 +8,7 @@ from paddle.static import InputSpec
 
 import ppdiffusers_tome
 from ppdiffusers_tome.ops import partition, windows
-from ppdiffusers_tome.ops.cache import clear_cache
+from ppdiffusers_tome.ops.cache import clear_table_cache
 from ppdiffusers_tome.patch import ToMeStaticGraphError
 from ppdiffusers_tome.testing import gpu_kernels, tiny_unet
 from tests.unet_calls import unet_inputs
@@ -101,7 +101,7 @@ def test_export_with_a_dynamic_batch_follows_the_timestep_inside_the_program(tmp
 
 def empty_merge_caches():
     """Forget every table the merge core has built (device tensors and host grids), as in a fresh process."""
-    clear_cache()
+    clear_table_cache()
     for cached in (partition.grid, windows.windows, windows.window_sides):
         cached.cache_clear()
 

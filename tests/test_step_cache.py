@@ -10,10 +10,12 @@ import pytest
 
 import ppdiffusers_tome
 from ppdiffusers_tome.patch import get_patch
+from ppdiffusers_tome.registry import hooks_of
 from ppdiffusers_tome.step_cache import CacheConfig, StepCacheError, deep_blocks, get_cache
 from ppdiffusers_tome.testing import tiny_sd_pipeline, tiny_unet
 from tests.conftest import run
 from tests.test_pipelines import KINDS, build
+from tests.unet_calls import step_sample
 
 STEPS = 6
 
@@ -88,17 +90,15 @@ def test_a_cached_step_equals_the_unet_with_its_deep_outputs_replaced_by_those_o
     assert np.abs(got - vanilla).max() > 1e-4  # the second step really used the kept features
 
 
-def test_remove_cache_gives_every_block_its_own_forward_back_by_identity():
+def test_remove_cache_gives_every_block_its_own_class_and_attributes_back():
     unet = tiny_unet()
-    pre_hooks, post_hooks = dict(unet._forward_pre_hooks), dict(unet._forward_post_hooks)
+    layers = [unet] + [block for _, block in deep_blocks(unet, 1)]
+    before = [(type(layer), set(layer.__dict__)) for layer in layers]
     ppdiffusers_tome.apply_cache(unet, interval=2)
-    blocks = [block for _, block in deep_blocks(unet, 1)]
-    assert all("forward" in block.__dict__ for block in blocks)
+    assert all(hooks_of(layer) is not None and type(layer) is not cls for layer, (cls, _) in zip(layers, before))
     ppdiffusers_tome.remove_cache(unet)
-    for block in blocks:
-        assert "forward" not in block.__dict__ and block.forward.__func__ is type(block).forward
-    assert dict(unet._forward_pre_hooks) == pre_hooks and dict(unet._forward_post_hooks) == post_hooks
-    assert get_cache(unet) is None
+    assert [(type(layer), set(layer.__dict__)) for layer in layers] == before
+    assert not unet._forward_pre_hooks and not unet._forward_post_hooks and get_cache(unet) is None
     ppdiffusers_tome.remove_cache(unet)  # a second removal is a no-op
 
 
@@ -174,14 +174,23 @@ def test_an_interrupted_call_leaves_nothing_for_the_next_call():
         run(pipe, steps=5)
     handle.remove()
     np.testing.assert_array_equal(run(pipe, steps=5), expected)
-    # a model called directly: the interrupted call is forgotten at the next call, which runs in full
-    unet = pipe.unet
-    cache = get_cache(unet)
-    cache.thread_state().in_flight = True
-    cache.thread_state().step = 1
-    cache._before(unet, ())
-    assert cache.thread_state().full and cache.thread_state().step == 0
-    cache.thread_state().in_flight = False
+    # a model called directly: the interrupted call keeps nothing, so the next call runs in full
+    unet = ppdiffusers_tome.apply_cache(tiny_unet(), interval=3)
+    context = paddle.to_tensor(np.random.default_rng(9).standard_normal((2, 5, 32)).astype("float32"))
+    inputs = [(step_sample(seed), paddle.to_tensor([t, t]), context) for seed, t in ((1, 900), (2, 800))]
+    with paddle.no_grad():
+        fresh = [unet(*args).sample.numpy() for args in inputs]
+        ppdiffusers_tome.reset_cache(unet)
+        handle = dict(deep_blocks(unet, 1))["down_blocks.1"].resnets[0].register_forward_pre_hook(interrupt)
+        state["calls"] = 1  # the next call is interrupted inside its first deep block
+        with pytest.raises(KeyboardInterrupt):
+            unet(*inputs[0])
+        handle.remove()
+        again = unet(*inputs[1]).sample.numpy()
+        ppdiffusers_tome.remove_cache(unet)
+        full = unet(*inputs[1]).sample.numpy()
+    np.testing.assert_array_equal(again, full)  # nothing kept from the interrupted call: a full step
+    assert np.abs(fresh[1] - full).max() > 1e-5  # (while after a full first call the second one is cached)
 
 
 @pytest.mark.parametrize("first", ["tome", "cache"])
@@ -222,7 +231,7 @@ def test_bad_options_are_refused_by_name_and_leave_the_pipeline_as_it_was(kwargs
     with pytest.raises(ValueError, match=message):
         pipe.apply_cache(**kwargs)
     assert ppdiffusers_tome.cache_status(pipe)["unet"]["settings"]["interval"] == 2
-    with pytest.raises(ValueError, match="needs a UNet2DConditionModel or a ControlNetModel"):
+    with pytest.raises(ValueError, match="needs a UNet2DConditionModel, a ControlNetModel"):
         ppdiffusers_tome.apply_cache(pipe.vae)
 
 

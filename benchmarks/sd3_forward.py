@@ -1,0 +1,235 @@
+"""Token merging on SD3's MMDiT, on the CPU: one transformer forward per configuration, side by side, and the FLOP
+ceiling of each.
+
+The model is SD3-medium's layout with a narrow width (``--width 384``: 6 heads of 64, MLP 4x, patch 2, 16 latent
+channels, 333 text tokens: SD3's 77 + 256) and random seeded weights; a forward's speed-up does not depend on the
+number of layers, so ``--layers`` may be fewer than SD3-medium's 24. Batch 2 (one image with guidance). Every round
+runs each configuration once (after one untimed forward each), in a rotated order; per configuration: the median
+seconds and the range of the per-round speed-ups, the relative L2 distance of the output to vanilla's for each input
+seed (mean and spread), and the FLOP ceiling (image q/k/v/o and MLP, text q/k/v/o and MLP, joint attention; AdaLN
+and embeddings left out). With ``--loop-steps N`` it also times a whole N-step denoising loop per configuration
+(vanilla, ToMe 0.5 attention + MLP, cache 3, both) over ``--seeds`` seeds. Prints tables and writes JSON:
+
+    bash run.sh python benchmarks/sd3_forward.py --sizes 512 1024 --layers 4 --output outputs/sd3_forward.json
+    bash run.sh python benchmarks/sd3_forward.py --sizes 512 --layers 24 --rounds 1 --seeds 2 --loop-steps 20 \
+        --output outputs/sd3_loop.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any, Dict, List
+
+import numpy as np
+import paddle
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import ppdiffusers_tome  # noqa: E402
+from ppdiffusers_tome.joint_attention import use_math_attention  # noqa: E402
+from ppdiffusers_tome.tools.measure import relative_l2, set_threads  # noqa: E402
+
+TEXT_TOKENS = 333
+CONFIGS: Dict[str, Dict[str, Any] | None] = {
+    "vanilla": None,
+    "ToMe 0.3, attention": dict(ratio=0.3),
+    "ToMe 0.5, attention": dict(ratio=0.5),
+    "ToMe 0.3, attention + MLP": dict(ratio=0.3, merge_mlp=True),
+    "ToMe 0.5, attention + MLP": dict(ratio=0.5, merge_mlp=True),
+}
+
+
+def flop_ceiling(image_tokens: int, width: int, ratio: float, mlp: bool, text: int = TEXT_TOKENS) -> float:
+    """Vanilla's FLOPs over the merged forward's, per layer (so for any number of layers): q/k/v/o are 4 width**2
+    multiply-adds per token, the MLP 8 width**2, the joint attention 2 (tokens**2) width; merging ``ratio`` of the
+    image tokens shrinks the image stream's q/k/v/o and the attention (and the image MLP with ``mlp``).
+
+    >>> round(flop_ceiling(4096, 1536, 0.5, False), 2), round(flop_ceiling(4096, 1536, 0.5, True), 2)
+    (1.5, 2.19)
+    """
+    def cost(image: int, image_mlp: int) -> float:
+        tokens = image + text
+        return 4 * (image + text) * width**2 + 8 * (image_mlp + text) * width**2 + 2 * tokens**2 * width
+
+    merged = image_tokens - int(image_tokens * ratio)
+    return cost(image_tokens, image_tokens) / cost(merged, merged if mlp else image_tokens)
+
+
+def narrow_sd3(layers: int, width: int, seed: int = 0):
+    from ppdiffusers import SD3Transformer2DModel
+
+    paddle.seed(seed)
+    model = SD3Transformer2DModel(
+        sample_size=128, patch_size=2, in_channels=16, out_channels=16, num_layers=layers,
+        attention_head_dim=64, num_attention_heads=width // 64, joint_attention_dim=4096,
+        caption_projection_dim=width, pooled_projection_dim=2048, pos_embed_max_size=192,
+    )
+    model.eval()
+    for param in model.parameters():  # adaptive norms start at zero in ppdiffusers: draw every gate non-zero
+        if float(param.abs().max()) == 0.0:
+            param.set_value(paddle.randn(param.shape, dtype=param.dtype) * 0.02)
+    return use_math_attention(model)
+
+
+def inputs(size: int, seed: int) -> Dict[str, paddle.Tensor]:
+    rng = np.random.default_rng(seed)
+    side = size // 8
+    return dict(
+        hidden_states=paddle.to_tensor(rng.standard_normal((2, 16, side, side)).astype("float32")),
+        encoder_hidden_states=paddle.to_tensor(rng.standard_normal((2, TEXT_TOKENS, 4096)).astype("float32")),
+        pooled_projections=paddle.to_tensor(rng.standard_normal((2, 2048)).astype("float32")),
+        timestep=paddle.to_tensor([500.0, 500.0]),
+    )
+
+
+def forward(model: Any, kwargs: Dict[str, paddle.Tensor]) -> np.ndarray:
+    with paddle.no_grad():
+        return model(**kwargs, return_dict=False)[0].numpy()
+
+
+def measure(size: int, model: Any, rounds: int, seeds: int) -> List[Dict[str, Any]]:
+    names = list(CONFIGS)
+    outputs: Dict[str, List[np.ndarray]] = {name: [] for name in names}
+    seconds: Dict[str, List[float]] = {name: [] for name in names}
+    for name in names:  # the outputs of every input seed, and one untimed forward each
+        ppdiffusers_tome.remove_tome(model)
+        if CONFIGS[name] is not None:
+            ppdiffusers_tome.apply_tome(model, **CONFIGS[name])
+        outputs[name] = [forward(model, inputs(size, seed)) for seed in range(seeds)]
+    timed = inputs(size, 0)
+    for round_ in range(rounds):
+        shift = round_ % len(names)
+        for name in names[shift:] + names[:shift]:
+            ppdiffusers_tome.remove_tome(model)
+            if CONFIGS[name] is not None:
+                ppdiffusers_tome.apply_tome(model, **CONFIGS[name])
+            began = time.perf_counter()
+            forward(model, timed)
+            seconds[name].append(time.perf_counter() - began)
+            print(f"{size} px round {round_} {name:>28}: {seconds[name][-1]:.2f} s", flush=True)
+    ppdiffusers_tome.remove_tome(model)
+    image_tokens = (size // 16) ** 2
+    rows = []
+    for name in names:
+        speedups = [v / s for v, s in zip(seconds["vanilla"], seconds[name])]
+        distances = [relative_l2(v, o) for v, o in zip(outputs["vanilla"], outputs[name])]
+        options = CONFIGS[name] or {}
+        rows.append({
+            "configuration": name, "size": size, "image_tokens": image_tokens,
+            "seconds": statistics.median(seconds[name]), "speedup": statistics.median(speedups),
+            "speedup_range": [min(speedups), max(speedups)],
+            "rel_l2": float(np.mean(distances)), "rel_l2_sd": float(np.std(distances)),
+            "flop_ceiling": flop_ceiling(image_tokens, WIDTH, options.get("ratio", 0.0), options.get("merge_mlp", False))
+            if options else 1.0,
+        })
+    return rows
+
+
+WIDTH = 384
+LOOP_CONFIGS: Dict[str, Dict[str, Any]] = {
+    "vanilla": {},
+    "ToMe 0.5, attention + MLP": dict(tome=dict(ratio=0.5, merge_mlp=True)),
+    "cache 3": dict(cache=dict(interval=3)),
+    "ToMe 0.5 + cache 3": dict(tome=dict(ratio=0.5, merge_mlp=True), cache=dict(interval=3)),
+}
+
+
+def denoise(model: Any, size: int, steps: int, seed: int) -> np.ndarray:
+    """A flow-matching Euler loop of ``steps`` steps (SD3's sampler, shift 3) on the transformer alone, batch 2 (one
+    image with guidance, scale 7): the final latents. No text encoder, no VAE: the transformer is what is timed."""
+    from ppdiffusers import FlowMatchEulerDiscreteScheduler
+
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
+    scheduler.set_timesteps(steps)
+    kwargs = inputs(size, seed)
+    latents = kwargs.pop("hidden_states")[:1]
+    ppdiffusers_tome.reset_cache(model)
+    with paddle.no_grad():
+        for t in scheduler.timesteps:
+            velocity = model(hidden_states=paddle.concat([latents, latents]), timestep=t.expand([2]),
+                             return_dict=False, **{k: v for k, v in kwargs.items() if k != "timestep"})[0]
+            uncond, cond = velocity.chunk(2)
+            latents = scheduler.step(uncond + 7.0 * (cond - uncond), t, latents, return_dict=False)[0]
+    return latents.numpy()
+
+
+def measure_loop(size: int, model: Any, steps: int, seeds: int) -> List[Dict[str, Any]]:
+    """Every configuration of :data:`LOOP_CONFIGS` for ``seeds`` seeds, side by side (rotated order per seed)."""
+    names = list(LOOP_CONFIGS)
+    seconds: Dict[str, List[float]] = {name: [] for name in names}
+    finals: Dict[str, List[np.ndarray]] = {name: [] for name in names}
+    for seed in range(seeds):
+        shift = seed % len(names)
+        for name in names[shift:] + names[:shift]:
+            ppdiffusers_tome.remove_tome(model)
+            ppdiffusers_tome.remove_cache(model)
+            config = LOOP_CONFIGS[name]
+            if "tome" in config:
+                ppdiffusers_tome.apply_tome(model, **config["tome"])
+            if "cache" in config:
+                ppdiffusers_tome.apply_cache(model, **config["cache"])
+            began = time.perf_counter()
+            finals[name].append(denoise(model, size, steps, seed))
+            seconds[name].append(time.perf_counter() - began)
+            print(f"{size} px {steps} steps seed {seed} {name:>28}: {seconds[name][-1]:.2f} s", flush=True)
+    ppdiffusers_tome.remove_tome(model)
+    ppdiffusers_tome.remove_cache(model)
+    rows = []
+    for name in names:
+        speedups = [v / s for v, s in zip(seconds["vanilla"], seconds[name])]
+        distances = [relative_l2(v, f) for v, f in zip(finals["vanilla"], finals[name])]
+        rows.append({"configuration": name, "size": size, "steps": steps, "seconds": statistics.median(seconds[name]),
+                     "speedup": statistics.median(speedups), "speedup_range": [min(speedups), max(speedups)],
+                     "rel_l2": float(np.mean(distances)), "rel_l2_sd": float(np.std(distances))})
+    return rows
+
+
+def main(argv: List[str] | None = None) -> Dict[str, Any]:
+    global WIDTH
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[512, 1024])
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--width", type=int, default=384)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--seeds", type=int, default=3, help="input seeds for the distance to vanilla")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--loop-steps", type=int, default=0,
+                        help="also time a denoising loop of this many steps per configuration at the first size")
+    parser.add_argument("--output")
+    args = parser.parse_args(argv)
+    WIDTH = args.width
+    threads = set_threads(args.threads)
+    model = narrow_sd3(args.layers, args.width)
+    rows = [row for size in args.sizes for row in measure(size, model, args.rounds, args.seeds)]
+    print("| size | configuration | s / forward | speed-up (range) | FLOP ceiling | rel. L2 to vanilla (sd) |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for row in rows:
+        low, high = row["speedup_range"]
+        print(f"| {row['size']}² | {row['configuration']} | {row['seconds']:.2f} | {row['speedup']:.2f}× "
+              f"({low:.2f}–{high:.2f}) | {row['flop_ceiling']:.2f}× | {row['rel_l2']:.4f} ({row['rel_l2_sd']:.4f}) |")
+    loop = measure_loop(args.sizes[0], model, args.loop_steps, args.seeds) if args.loop_steps else []
+    if loop:
+        print(f"| size | configuration ({args.loop_steps}-step loop) | s / image | speed-up (range) | "
+              "rel. L2 of the final latents (sd) |")
+        print("| --- | --- | --- | --- | --- |")
+        for row in loop:
+            low, high = row["speedup_range"]
+            print(f"| {row['size']}² | {row['configuration']} | {row['seconds']:.2f} | {row['speedup']:.2f}× "
+                  f"({low:.2f}–{high:.2f}) | {row['rel_l2']:.4f} ({row['rel_l2_sd']:.4f}) |")
+    result = {"version": ppdiffusers_tome.__version__, "loop": loop, "paddle": paddle.__version__, "threads": threads,
+              "layers": args.layers, "width": args.width, "text_tokens": TEXT_TOKENS, "batch": 2, "rows": rows,
+              "command": "benchmarks/sd3_forward.py " + " ".join(argv if argv is not None else sys.argv[1:])}
+    if args.output:
+        os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+        with open(args.output, "w", encoding="utf-8") as handle:
+            json.dump(result, handle, indent=1)
+    return result
+
+
+if __name__ == "__main__":
+    main()
