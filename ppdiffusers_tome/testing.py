@@ -11,7 +11,7 @@ import contextlib
 from typing import Iterator
 
 from .ops.runtime import force_kernels
-from .tools.presets import (
+from .tools.tiny import (
     TEXT_HIDDEN,
     make_scheduler,
     random_controlnet,
@@ -19,6 +19,8 @@ from .tools.presets import (
     tiny_controlnet_pipeline,
     tiny_dit_pipeline,
     tiny_dit_transformer,
+    tiny_sd3_pipeline,
+    tiny_sd3_transformer,
     tiny_sd_pipeline,
     tiny_sdxl_pipeline,
     tiny_sdxl_unet,
@@ -38,6 +40,8 @@ __all__ = [
     "tiny_controlnet_pipeline",
     "tiny_dit_pipeline",
     "tiny_dit_transformer",
+    "tiny_sd3_pipeline",
+    "tiny_sd3_transformer",
     "tiny_sd_pipeline",
     "tiny_sdxl_pipeline",
     "tiny_sdxl_unet",

@@ -1,33 +1,52 @@
 """The embedded models: pipelines built from the configs shipped in ``ppdiffusers_tome/tools/configs`` with random
 weights (no downloads), the memory check that runs before anything is built, and the loader for a real local
-pipeline folder. The demo's default model, the benchmark architectures and the tiny test models all live here.
+pipeline folder. The demo's default model and the benchmark architectures live here; the tiny test models in
+:mod:`~ppdiffusers_tome.tools.tiny`, which this module re-exports (every import of them from here keeps working).
 
 Each preset carries the resolution it is meant to run at (``default_resolution``). :func:`check_attention_memory`
 estimates the memory of a run's largest self-attention from the layout alone, before anything is built, so that a
 run that cannot fit stops with a clear message instead of being killed by the operating system.
 
-Every pipeline is assembled by one path from its preset's config: "tiny" is just another preset, so
-``tiny_sd_pipeline(seed=s)`` builds exactly what ``preset_pipeline("tiny", seed=s)`` builds (same weights), as do
-``tiny_controlnet_pipeline`` and ``tiny_sdxl_pipeline`` for ``tiny-controlnet`` and ``tiny-sdxl``. Nothing is
-downloaded: the CLIP tokenizer is built from a byte-level vocabulary written on the fly. The tiny layouts keep what
-matters to ToMe: SD-style pipelines have transformer blocks at the full latent resolution, the SDXL-style UNet (like
-the real one) has none at its first level. (``ppdiffusers_tome.testing`` re-exports the tiny builders, for existing
-test code and scripts.)
+Every pipeline is assembled by one path from its preset's config (:func:`_assemble`, from the parts built in
+:mod:`~ppdiffusers_tome.tools.tiny`): "tiny" is just another preset, so ``tiny_sd_pipeline(seed=s)`` builds exactly
+what ``preset_pipeline("tiny", seed=s)`` builds (same weights). (``ppdiffusers_tome.testing`` re-exports the tiny
+builders, for existing test code and scripts.)
 
-Paddle and ppdiffusers are imported only by the functions that build pipelines (through :func:`_libs`): listing and
+Paddle and ppdiffusers are imported only by the functions that build pipelines (through ``_libs``): listing and
 reading presets and the memory check are instant (the command line's ``--help`` relies on it).
 """
 
 from __future__ import annotations
 
-import atexit
 import json
 import math
 import os
-import shutil
-import tempfile
 from collections.abc import Sequence
 from typing import Any
+
+from .tiny import (  # noqa: F401  (the tiny builders and the parts of every pipeline: see tiny.py)
+    TEXT_HIDDEN,
+    _byte_symbols,
+    _finish,
+    _libs,
+    _seeded_model,
+    make_scheduler,
+    random_controlnet,
+    tiny_controlnet,
+    tiny_controlnet_pipeline,
+    tiny_dit_pipeline,
+    tiny_dit_transformer,
+    tiny_sd3_pipeline,
+    tiny_sd3_transformer,
+    tiny_sd_pipeline,
+    tiny_sdxl_pipeline,
+    tiny_sdxl_unet,
+    tiny_text_encoder,
+    tiny_tokenizer,
+    tiny_unet,
+    tiny_vae,
+    write_tokenizer_files,
+)
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 
@@ -52,6 +71,8 @@ __all__ = [
     "tiny_controlnet_pipeline",
     "tiny_dit_pipeline",
     "tiny_dit_transformer",
+    "tiny_sd3_pipeline",
+    "tiny_sd3_transformer",
     "tiny_sd_pipeline",
     "tiny_sdxl_pipeline",
     "tiny_sdxl_unet",
@@ -235,149 +256,6 @@ def check_attention_memory(
         )
 
 
-# builders ---------------------------------------------------------------------------------------------------------
-def _libs():
-    """``(paddle, ppdiffusers, ppdiffusers.transformers)``, imported on first use. This is the only place this module
-    imports them: the config and memory functions above serve the command line's ``--help``, which must not wait
-    seconds for Paddle. (The CLIP tokenizer and text encoders live in ``ppdiffusers.transformers``, which the lazy
-    ``ppdiffusers`` module does not expose as an attribute.)"""
-    import paddle
-    import ppdiffusers
-    from ppdiffusers import transformers
-
-    return paddle, ppdiffusers, transformers
-
-
-TEXT_HIDDEN = 32
-
-
-def _byte_symbols() -> list:
-    """The 256 printable stand-ins that byte-level BPE uses for the bytes 0..255."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
-    symbols, extra = {}, 0
-    for byte in range(256):
-        if byte in printable:
-            symbols[byte] = chr(byte)
-        else:
-            symbols[byte] = chr(256 + extra)
-            extra += 1
-    return [symbols[b] for b in range(256)]
-
-
-def write_tokenizer_files(folder: str) -> dict[str, str]:
-    """Write a minimal CLIP ``vocab.json`` and ``merges.txt`` (bytes, their word-final forms, two special
-    tokens, no merges) into ``folder`` and return their paths."""
-    symbols = _byte_symbols()
-    vocab = {}
-    for token in symbols + [s + "</w>" for s in symbols] + ["<|startoftext|>", "<|endoftext|>"]:
-        vocab.setdefault(token, len(vocab))
-    paths = {"vocab_file": os.path.join(folder, "vocab.json"), "merges_file": os.path.join(folder, "merges.txt")}
-    with open(paths["vocab_file"], "w", encoding="utf-8") as f:
-        json.dump(vocab, f, ensure_ascii=False)
-    with open(paths["merges_file"], "w", encoding="utf-8") as f:
-        f.write("#version: 0.2\n")
-    return paths
-
-
-_tokenizer_files_written: dict[str, str] | None = None
-
-
-def _tokenizer_files() -> dict[str, str]:
-    """The tokenizer files, written once per process (a tokenizer reads them again in ``save_pretrained``)."""
-    global _tokenizer_files_written
-    if _tokenizer_files_written is None:
-        folder = tempfile.mkdtemp(prefix="ppdiffusers_tome_tokenizer_")
-        atexit.register(shutil.rmtree, folder, True)
-        _tokenizer_files_written = write_tokenizer_files(folder)
-    return _tokenizer_files_written
-
-
-def tiny_tokenizer(max_length: int = 16):
-    """A working offline ``CLIPTokenizer`` (byte-level, 514 tokens) that pads prompts to ``max_length``."""
-    _, _, transformers = _libs()
-    return transformers.CLIPTokenizer(**_tokenizer_files(), max_len=max_length, model_max_length=max_length)
-
-
-def tiny_text_encoder(vocab_size: int, max_length: int = 16, projection: bool = False, seed: int = 0, **overrides):
-    """A 2-layer CLIP text encoder (optionally with projection, as SDXL's second encoder) with random weights;
-    ``overrides`` replace ``CLIPTextConfig`` fields (e.g. ``hidden_size``)."""
-    paddle, _, transformers = _libs()
-    fields = dict(hidden_size=TEXT_HIDDEN, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4)
-    fields.update(overrides)
-    config = transformers.CLIPTextConfig(
-        vocab_size=vocab_size,
-        max_position_embeddings=max_length,
-        projection_dim=fields["hidden_size"],
-        bos_token_id=vocab_size - 2,
-        eos_token_id=vocab_size - 1,
-        pad_token_id=vocab_size - 1,
-        **fields,
-    )
-    paddle.seed(seed)
-    class_name = "CLIPTextModelWithProjection" if projection else "CLIPTextModel"
-    model = getattr(transformers, class_name)(config)
-    model.eval()
-    return model
-
-
-def _seeded_model(class_name: str, config: dict[str, Any], seed: int):
-    """The ppdiffusers model ``class_name`` built from ``config`` after ``paddle.seed(seed)``, in eval mode."""
-    paddle, ppdiffusers, _ = _libs()
-    paddle.seed(seed)
-    model = getattr(ppdiffusers, class_name)(**config)
-    model.eval()
-    return model
-
-
-def tiny_unet(seed: int = 0, **overrides):
-    """The ``tiny`` preset's SD-style ``UNet2DConditionModel`` with random weights: three levels; 3 transformer
-    blocks at 1x, 3 at 2x and the mid block's at 4x (SD 1.x has them at 1x, 2x and 4x, and in its mid block at 8x).
-    ``overrides`` replace config fields."""
-    return _seeded_model("UNet2DConditionModel", dict(load_preset("tiny")["unet"], **overrides), seed)
-
-
-def tiny_vae(seed: int = 0):
-    """The ``tiny`` preset's ``AutoencoderKL`` (latent scale factor 2) with random weights."""
-    return _seeded_model("AutoencoderKL", load_preset("tiny")["vae"], seed)
-
-
-def tiny_sdxl_unet(seed: int = 0):
-    """The ``tiny-sdxl`` preset's SDXL-style UNet: no attention at the first level, text-time added conditioning,
-    linear projections."""
-    return _seeded_model("UNet2DConditionModel", load_preset("tiny-sdxl")["unet"], seed)
-
-
-def random_controlnet(unet, seed: int = 1, conditioning_embedding_out_channels: Sequence[int] = (16, 32)):
-    """A ``ControlNetModel`` shaped like ``unet`` with random weights. A trained ControlNet's output convolutions
-    are not zero, so random ones are drawn for them too: the control signal then really changes the UNet's output."""
-    paddle, ppdiffusers, _ = _libs()
-    paddle.seed(seed)
-    controlnet = ppdiffusers.ControlNetModel.from_unet(
-        unet,
-        conditioning_embedding_out_channels=tuple(conditioning_embedding_out_channels),
-        load_weights_from_unet=False,
-    )
-    for name, param in controlnet.named_parameters():
-        if name.startswith(("controlnet_down_blocks", "controlnet_mid_block", "controlnet_cond_embedding.conv_out")):
-            param.set_value(paddle.randn(param.shape, dtype=param.dtype) * 0.1)
-    controlnet.eval()
-    return controlnet
-
-
-def tiny_controlnet(unet, seed: int = 1):
-    """A ``ControlNetModel`` shaped like the tiny ``unet`` (conditioning embedding downsamples by 2, as the tiny VAE)."""
-    return random_controlnet(unet, seed, (16, 32))
-
-
-def make_scheduler(name: str):
-    """A fresh scheduler of class ``name`` with Stable Diffusion's beta schedule."""
-    _, ppdiffusers, _ = _libs()
-    kwargs = dict(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", num_train_timesteps=1000)
-    if name == "DDIMScheduler":
-        kwargs.update(clip_sample=False, set_alpha_to_one=False, steps_offset=1)
-    return getattr(ppdiffusers, name)(**kwargs)
-
-
 # assembly: every preset pipeline, tiny or not, is built here ------------------------------------------------------
 # A preset's ``pipeline`` key (default "sd") gives its kind; a kind's tasks name the pipeline class. Seeds: the UNet
 # draws from ``seed``, the VAE from ``seed + 1``, the text encoders from ``seed`` and ``seed + 2``, ControlNet ``i``
@@ -410,18 +288,6 @@ def _controlnet_part(config: dict[str, Any], unet, seed: int, count: int):
     _, ppdiffusers, _ = _libs()
     nets = [random_controlnet(unet, seed + 3 + i, **config["controlnet"]) for i in range(count)]
     return nets[0] if count == 1 else ppdiffusers.pipelines.controlnet.MultiControlNetModel(nets)
-
-
-def _finish(pipe, dtype: str = "float32"):
-    """Every model of ``pipe`` in eval mode, cast to ``dtype``, progress bar off."""
-    paddle, _, _ = _libs()
-    for component in pipe.components.values():
-        if isinstance(component, paddle.nn.Layer):
-            component.eval()
-    if dtype != "float32":
-        pipe.to(dtype=dtype)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
 
 
 def _assemble(name: str, scheduler: str | None = None, seed: int = 0, dtype: str = "float32",
@@ -485,74 +351,26 @@ def preset_pipeline(name: str = DEFAULT_PRESET, scheduler: str | None = None, se
     return _assemble(name, scheduler, seed, dtype)
 
 
-def tiny_sd_pipeline(
-    kind: str = "txt2img", scheduler: str = "DDIMScheduler", seed: int = 0, unet: Any | None = None
-):
-    """The ``tiny`` preset's Stable Diffusion pipeline (as :func:`preset_pipeline`) for ``kind`` ``txt2img``,
-    ``img2img`` or ``inpaint`` (a UNet with 9 input channels); ``unet`` replaces the preset's UNet.
-
-    >>> pipe = tiny_sd_pipeline()
-    >>> type(pipe).__name__
-    'StableDiffusionPipeline'
-    """
-    return _assemble("tiny", scheduler, seed, task=kind, unet=unet)
-
-
-def tiny_controlnet_pipeline(num_controlnets: int = 1, scheduler: str = "DDIMScheduler", seed: int = 0):
-    """The ``tiny-controlnet`` preset's ``StableDiffusionControlNetPipeline``; with ``num_controlnets > 1`` it holds
-    a MultiControlNet."""
-    return _assemble("tiny-controlnet", scheduler, seed, num_controlnets=num_controlnets)
-
-
-def tiny_sdxl_pipeline(scheduler: str = "EulerDiscreteScheduler", seed: int = 0):
-    """The ``tiny-sdxl`` preset's ``StableDiffusionXLPipeline`` (two text encoders, SDXL-style UNet)."""
-    return _assemble("tiny-sdxl", scheduler, seed)
-
-
-def tiny_dit_transformer(norm_type: str = "ada_norm_zero", seed: int = 0, sample_size: int = 16):
-    """A small patch ``Transformer2DModel`` (patch size 2, 3 blocks) with random weights: DiT-style
-    (``norm_type="ada_norm_zero"``, class labels) or PixArt-alpha-style (``"ada_norm_single"``, cross-attention to
-    text embeddings of width 32). The PixArt-style model has no caption projection: ppdiffusers 0.29's
-    ``CaptionProjection`` calls ``paddle.randn(num_tokens, in_features)``, which Paddle 3.3 rejects, so it takes
-    embeddings already projected to the model width."""
-    paddle, _, _ = _libs()
-    if norm_type not in ("ada_norm_zero", "ada_norm_single"):
-        raise ValueError(f"norm_type must be 'ada_norm_zero' (DiT) or 'ada_norm_single' (PixArt-alpha); got {norm_type!r}")
-    kwargs: dict[str, Any] = dict(
-        num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=8, num_layers=3,
-        sample_size=sample_size, patch_size=2, activation_fn="gelu-approximate", norm_type=norm_type,
-        norm_elementwise_affine=False, num_embeds_ada_norm=1000,
-    )
-    if norm_type == "ada_norm_single":
-        kwargs.update(cross_attention_dim=32, norm_eps=1e-6)
-    model = _seeded_model("Transformer2DModel", kwargs, seed)
-    for param in model.parameters():  # ada-norm-zero starts every block as the identity: draw non-zero gates
-        if float(param.abs().max()) == 0.0:
-            param.set_value(paddle.randn(param.shape, dtype=param.dtype) * 0.05)
-    return model
-
-
-def tiny_dit_pipeline(scheduler: str = "DDIMScheduler", seed: int = 0):
-    """A small ``DiTPipeline`` (class-conditional, transformer-only) with random weights.
-
-    >>> pipe = tiny_dit_pipeline()
-    >>> type(pipe.transformer).__name__
-    'Transformer2DModel'
-    """
-    _, ppdiffusers, _ = _libs()
-    pipe = ppdiffusers.DiTPipeline(
-        transformer=tiny_dit_transformer("ada_norm_zero", seed), vae=tiny_vae(seed), scheduler=make_scheduler(scheduler)
-    )
-    return _finish(pipe)
-
-
 def load_local_pipeline(folder: str, dtype: str = "float32", scheduler: str | None = None):
     """Load a pipeline saved with ``save_pretrained`` (or downloaded beforehand) from a local ``folder``, without
-    ppdiffusers' loading bar (its setting is restored afterwards)."""
+    ppdiffusers' loading bar (its setting is restored afterwards).
+
+    A component saved as absent (``[null, null]`` in ``model_index.json``) is passed as ``None``: ppdiffusers 0.29
+    refuses to load a pipeline with a missing component that its class does not list as optional, which is how an
+    SD3 pipeline saved without its T5 encoder (``text_encoder_3=None``) is written."""
     paddle, ppdiffusers, _ = _libs()
-    if not os.path.isfile(os.path.join(folder, "model_index.json")):
+    index_path = os.path.join(folder, "model_index.json")
+    if not os.path.isfile(index_path):
         raise ValueError(f"--model must be a local pipeline folder with a model_index.json; got {folder!r}")
     kwargs: dict[str, Any] = {"paddle_dtype": getattr(paddle, dtype)}
+    try:
+        with open(index_path, encoding="utf-8") as f:
+            index = json.load(f)
+    except (OSError, ValueError):
+        index = {}
+    for name, entry in index.items() if isinstance(index, dict) else ():
+        if not name.startswith("_") and isinstance(entry, list) and entry and all(part is None for part in entry):
+            kwargs[name] = None
     from ppdiffusers.utils import logging as ppdiffusers_logging
 
     shown = ppdiffusers_logging.is_progress_bar_enabled()
