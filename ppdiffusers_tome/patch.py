@@ -44,6 +44,7 @@ SUBLAYERS = {
     JointTransformerBlock: (("attn", "merge_attn", True), ("ff", "merge_mlp", False)),
 }
 PATCH_LOCK = LOCK  # (the registry's lock: installs and removals of any technique are atomic with each other)
+MAX_DECISIONS = 1024  # block decisions memoised per patch (by shapes, kernels, ratio); the memo starts over beyond
 
 __all__ = ["BLOCK_TYPES", "ModelPatch", "PATCH_LOCK", "ToMeState", "ToMeStaticGraphError", "find_blocks",
            "get_patch"]
@@ -351,6 +352,8 @@ class ModelPatch:
         if key in decisions:
             decision = decisions[key]
         else:
+            if len(decisions) >= MAX_DECISIONS:  # a ratio schedule over continuous timesteps: a new key per call
+                decisions.clear()
             decision = decisions[key] = decide(self.settings, tokens, batch, grid, finest, call.kernels, call.ratio)
         action = decision.action
         if action == OFF:

@@ -22,11 +22,12 @@ SAVED = {
     "multi_controlnet.py": {"control_stripes.png", "control_square.png", "vanilla.png", "tome.png", "side_by_side.png"},
     "sdxl.py": {"vanilla.png", "tome.png", "side_by_side.png"},
     "dit.py": {"vanilla_207.png", "vanilla_360.png", "tome_207.png", "tome_360.png"},
+    "sd3.py": {"vanilla.png", "tome.png", "cache.png", "tome_cache.png"},
     "beyond_tomesd.py": {"vanilla.png", "tome_0.5.png", "todo_x2.png", "tome_0.5_recompute_every_5.png",
                          "tome_0.7_to_0.3.png", "side_by_side.png"},
 }
 # the examples that end by saying where their images are
-SAYS_WHERE = ("controlnet.py", "multi_controlnet.py", "sdxl.py", "dit.py", "beyond_tomesd.py")
+SAYS_WHERE = ("controlnet.py", "multi_controlnet.py", "sdxl.py", "dit.py", "beyond_tomesd.py", "sd3.py")
 
 
 def test_there_are_examples():
@@ -52,7 +53,7 @@ def test_example_runs_on_its_tiny_default(script, tmp_path, monkeypatch, caplog,
     if script in SAVED:
         assert set(images) == SAVED[script]
     pairs = [(v, v.replace("vanilla", "tome")) for v in images if v.startswith("vanilla")]
-    if script == "beyond_tomesd.py":
+    if script in ("beyond_tomesd.py", "sd3.py"):
         pairs = [("vanilla.png", name) for name in images if name not in ("vanilla.png", "side_by_side.png")]
     for vanilla, tome in pairs:  # same seed, so any difference is ToMe's doing
         assert np.abs(pixels(tmp_path / vanilla) - pixels(tmp_path / tome)).max() > 0, (vanilla, tome)
@@ -132,18 +133,47 @@ def test_every_example_takes_dtype_and_refuses_half_precision_on_a_cpu(script, t
     assert not [name for name in os.listdir(tmp_path) if name.endswith(".png")]
 
 
-@pytest.mark.parametrize("script", ["sd_txt2img.py", "beyond_tomesd.py"])
-def test_timing_examples_warm_up_before_they_time(script, tmp_path, monkeypatch):
+@pytest.mark.parametrize("script, pipeline", [("sd_txt2img.py", "StableDiffusionPipeline"),
+                                              ("beyond_tomesd.py", "StableDiffusionPipeline"),
+                                              ("sd3.py", "StableDiffusion3Pipeline")])
+def test_timing_examples_warm_up_before_they_time(script, pipeline, tmp_path, monkeypatch):
     """Each configuration is called once with one step before the timed call, so first-call work is not timed."""
-    from ppdiffusers import StableDiffusionPipeline
+    import ppdiffusers
 
-    steps, real = [], StableDiffusionPipeline.__call__
+    cls = getattr(ppdiffusers, pipeline)
+    steps, real = [], cls.__call__
 
     def record(self, *args, **kwargs):
         steps.append(kwargs.get("num_inference_steps"))
         return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(StableDiffusionPipeline, "__call__", record)
+    monkeypatch.setattr(cls, "__call__", record)
     monkeypatch.setattr(sys, "argv", [script, "--steps", "2", "--output", str(tmp_path)])
     runpy.run_path(os.path.join(EXAMPLES, script), run_name="__main__")
     assert steps and steps[0::2] == [1] * (len(steps) // 2) and steps[1::2] == [2] * (len(steps) // 2)
+
+
+def test_sd3_example_loads_a_local_folder_without_t5_and_runs_it_on_the_math_processor(tmp_path, caplog):
+    """``--model DIR``: a folder as SD3 is often kept, without its T5 encoder (no ``text_encoder_3``), loads with
+    ``text_encoder_3=None`` and runs on this CPU through the math attention processor; every run is saved."""
+    from ppdiffusers_tome.testing import tiny_sd3_pipeline
+
+    folder = tmp_path / "sd3"
+    tiny_sd3_pipeline(seed=1).save_pretrained(str(folder))
+    assert not (folder / "text_encoder_3").exists()
+    example = runpy.run_path(os.path.join(EXAMPLES, "sd3.py"), run_name="sd3_example")
+    with caplog.at_level("INFO"):
+        saved = example["main"](["--model", str(folder), "--size", "32", "--steps", "2", "--cache", "2",
+                                 "--merge-mlp", "--output", str(tmp_path / "out")])
+    assert sorted(os.path.basename(p) for p in saved) == sorted(SAVED["sd3.py"])
+    assert "loading SD3 without T5" in caplog.text and "math processor" in caplog.text
+    assert "1 full and 1 cached transformer calls" in caplog.text
+    assert np.abs(pixels(saved[0]) - pixels(saved[1])).max() > 0  # ToMe changed the image
+
+
+def test_sd3_example_refuses_a_folder_that_is_not_a_pipeline(tmp_path, capsys):
+    example = runpy.run_path(os.path.join(EXAMPLES, "sd3.py"), run_name="sd3_example")
+    with pytest.raises(SystemExit) as done:
+        example["main"](["--model", str(tmp_path), "--output", str(tmp_path / "out")])
+    assert done.value.code == 2 and "model_index.json" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

@@ -129,12 +129,12 @@ def test_pixart_style_transformer_reads_the_timestep_from_its_third_positional_a
     assert 0 < np.abs(merged - vanilla).max() < 1.0
 
 
-def test_transformers_without_basic_blocks_are_refused_with_the_reason():
-    from ppdiffusers import SD3Transformer2DModel
+def test_models_without_transformer_blocks_are_refused_with_the_reason():
+    from ppdiffusers import UNet2DModel
 
-    model = SD3Transformer2DModel(sample_size=8, patch_size=2, in_channels=4, num_layers=1, attention_head_dim=8,
-                                  num_attention_heads=2, joint_attention_dim=16, caption_projection_dim=16,
-                                  pooled_projection_dim=8, out_channels=4, pos_embed_max_size=8)
-    with pytest.raises(ValueError, match="JointTransformerBlock: joint attention runs text and image tokens in one sequence"):
+    model = UNet2DModel(sample_size=8, in_channels=3, out_channels=3, block_out_channels=(16, 16), layers_per_block=1,
+                        norm_num_groups=8, down_block_types=("DownBlock2D", "AttnDownBlock2D"),
+                        up_block_types=("AttnUpBlock2D", "UpBlock2D"))
+    with pytest.raises(ValueError, match="UNet2DModel is built from .*AttnDownBlock2D.*not ppdiffusers' BasicTransformerBlock"):
         ppdiffusers_tome.apply_tome(model)
     assert get_patch(model) is None
