@@ -10,9 +10,12 @@ widths, random weights; UNet batch 2, one image with guidance) at ``--resolution
   eager mode).
 
 For each configuration, a full call and a cached call are counted, and the cost of ``interval`` steps
-(one full + ``interval - 1`` cached) is compared with vanilla's. These are estimates of a GPU's work, not timings.
+(one full + ``interval - 1`` cached) is compared with vanilla's. FLOPs are counted at ``--resolutions`` and computed
+for ``--extrapolate`` sizes from the first two (convolutions and linear layers grow as the latent side squared,
+self-attention as its fourth power). These are estimates of a GPU's work, not timings.
 
-    bash run.sh python benchmarks/cache_costs.py --resolution 256 --output outputs/cache_costs.json
+    bash run.sh python benchmarks/cache_costs.py --preset sd15 --resolutions 128 256 --extrapolate 512 1024 \
+        --output outputs/cache_costs_sd15.json
 """
 
 from __future__ import annotations
@@ -31,11 +34,14 @@ import ppdiffusers_tome  # noqa: E402
 from ppdiffusers_tome.tools.measure import count_forward_ops  # noqa: E402
 from ppdiffusers_tome.tools.presets import preset_pipeline  # noqa: E402
 
-CONFIGS = {
+CONFIGS = {  # name -> (apply_tome options, apply_cache options)
     "vanilla": (None, None),
     "ToMe 0.5": ({"ratio": 0.5}, None),
-    "cache 3": (None, 3),
-    "ToMe 0.5 + cache 3": ({"ratio": 0.5}, 3),
+    "cache 3": (None, {"interval": 3}),
+    "cache 3, layers 2": (None, {"interval": 3, "layers": 2}),
+    "cache 3, layers 1": (None, {"interval": 3, "layers": 1}),
+    "ToMe 0.5 + cache 3": ({"ratio": 0.5}, {"interval": 3}),
+    "ToMe 0.5 + cache 3, layers 1": ({"ratio": 0.5}, {"interval": 3, "layers": 1}),
 }
 
 
@@ -79,14 +85,15 @@ class FlopCounter:
             handle.remove()
 
 
-def measure(unet, inputs, tome, interval):
+def measure(unet, inputs, tome, cache, count_ops=True):
     """(full call, cached call) as dicts of flops and ops for one configuration."""
     ppdiffusers_tome.remove_tome(unet)
     ppdiffusers_tome.remove_cache(unet)
     if tome is not None:
         ppdiffusers_tome.apply_tome(unet, **tome)
-    if interval is not None:
-        ppdiffusers_tome.apply_cache(unet, interval=interval)
+    interval = None if cache is None else cache["interval"]
+    if cache is not None:
+        ppdiffusers_tome.apply_cache(unet, **cache)
 
     def run():
         with paddle.no_grad():
@@ -98,7 +105,9 @@ def measure(unet, inputs, tome, interval):
         ppdiffusers_tome.reset_cache(unet)
     calls = []
     for _ in range(2 if interval else 1):  # step 0 (full), step 1 (cached)
-        calls.append({"ops": count_forward_ops(run, unet, warmup=0).total})
+        calls.append({"ops": count_forward_ops(run, unet, warmup=0).total} if count_ops else {})
+        if not count_ops:
+            run()
     if interval:  # FLOPs from a second pass over the same steps (no profiler hooks in the way)
         ppdiffusers_tome.reset_cache(unet)
     for call in calls:
@@ -111,45 +120,76 @@ def measure(unet, inputs, tome, interval):
     return calls[0], calls[-1]
 
 
+def inputs_at(unet, resolution):
+    side = resolution // 8
+    rng = np.random.default_rng(0)
+    return (paddle.to_tensor(rng.standard_normal((2, 4, side, side)).astype("float32")),
+            paddle.to_tensor([500, 500], dtype="int64"),
+            paddle.to_tensor(rng.standard_normal((2, 77, unet.config.cross_attention_dim)).astype("float32")))
+
+
+def extrapolate(flops_by_side, side):
+    """FLOPs at latent ``side`` from counts at two smaller sides: convolutions, linear layers and cross-attention
+    grow as ``side**2``, self-attention as ``side**4`` (its tokens squared), so two counts give both terms exactly
+    (up to the rounding of merged-token counts)."""
+    (s1, f1), (s2, f2) = sorted(flops_by_side.items())[:2]
+    quartic = (f2 / s2**2 - f1 / s1**2) / (s2**2 - s1**2)
+    quadratic = f1 / s1**2 - quartic * s1**2
+    return quadratic * side**2 + quartic * side**4
+
+
+def per_steps(full, cached, interval, steps):
+    """Cost of ``steps`` steps: all full without a cache, else one full and ``steps - 1`` cached."""
+    return steps * full if interval is None else full + (steps - 1) * cached
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="sd15", help="model layout (random weights)")
-    parser.add_argument("--resolution", type=int, default=512)
+    parser.add_argument("--resolutions", type=int, nargs="+", default=[128, 256],
+                        help="sizes counted (FLOPs at every size, eager ops at the first)")
+    parser.add_argument("--extrapolate", type=int, nargs="*", default=[512, 1024],
+                        help="sizes whose FLOPs are computed from the first two counted sizes")
     parser.add_argument("--interval", type=int, default=3, help="steps per full call in the comparison")
     parser.add_argument("--output", default=os.path.join("outputs", "cache_costs.json"))
     args = parser.parse_args(argv)
     unet = preset_pipeline(args.preset).unet
-    side = args.resolution // 8
-    rng = np.random.default_rng(0)
-    inputs = (paddle.to_tensor(rng.standard_normal((2, 4, side, side)).astype("float32")),
-              paddle.to_tensor([500, 500], dtype="int64"),
-              paddle.to_tensor(rng.standard_normal((2, 77, unet.config.cross_attention_dim)).astype("float32")))
     rows = []
-    for name, (tome, interval) in CONFIGS.items():
-        full, cached = measure(unet, inputs, tome, interval)
-        print(f"{name}: full {full}, cached {cached}", flush=True)
-        steps = args.interval
-        if interval is None:
-            flops, ops = steps * full["flops"], steps * full["ops"]
-        else:
-            flops = full["flops"] + (steps - 1) * cached["flops"]
-            ops = full["ops"] + (steps - 1) * cached["ops"]
-        rows.append({"config": name, "full": full, "cached": cached, "flops_per_steps": flops, "ops_per_steps": ops})
+    for name, (tome, cache) in CONFIGS.items():
+        interval = None if cache is None else cache["interval"]
+        row = {"config": name, "tome": tome, "cache": cache, "sizes": {}}
+        for i, resolution in enumerate(args.resolutions):
+            full, cached = measure(unet, inputs_at(unet, resolution), tome, cache, count_ops=i == 0)
+            if i == 0:
+                row["ops_full"], row["ops_cached"] = full["ops"], cached["ops"]
+            row["sizes"][resolution] = {"flops_full": full["flops"], "flops_cached": cached["flops"], "counted": True}
+            print(f"{name} at {resolution}px: full {full}, cached {cached}", flush=True)
+        for resolution in args.extrapolate:
+            sides = {r // 8: row["sizes"][r] for r in args.resolutions}
+            row["sizes"][resolution] = {
+                kind: extrapolate({side: v[kind] for side, v in sides.items()}, resolution // 8)
+                for kind in ("flops_full", "flops_cached")}
+            row["sizes"][resolution]["counted"] = False
+        row["ops_per_steps"] = per_steps(row["ops_full"], row["ops_cached"], interval, args.interval)
+        for size in row["sizes"].values():
+            size["flops_per_steps"] = per_steps(size["flops_full"], size["flops_cached"], interval, args.interval)
+        rows.append(row)
     base = rows[0]
-    print(f"SD-1.5 UNet, batch 2, {args.resolution}px: FLOPs and eager ops per {args.interval} steps (estimate)")
-    print(f"{'configuration':<20} | {'GFLOP full':>10} | {'GFLOP cached':>12} | {'FLOP ratio':>10} | "
-          f"{'ops full':>8} | {'ops cached':>10} | {'launch ratio':>12}")
+    sizes = list(args.resolutions) + list(args.extrapolate)
+    print(f"{args.preset} UNet, batch 2: FLOP and launch ratios to vanilla over {args.interval} steps (on paper)")
+    print("| configuration | eager ops full / cached | launch ratio | " + " | ".join(
+        f"FLOP ratio {s}²{'' if s in args.resolutions else ' (extrapolated)'}" for s in sizes) + " |")
+    print("| --- | --- | --- | " + " | ".join("---" for _ in sizes) + " |")
     for row in rows:
-        row["flop_speedup"] = base["flops_per_steps"] / row["flops_per_steps"]
         row["launch_speedup"] = base["ops_per_steps"] / row["ops_per_steps"]
-        cached = row["cached"] if row["cached"] is not row["full"] else None
-        print(f"{row['config']:<20} | {row['full']['flops'] / 1e9:>10.2f} | "
-              f"{(cached['flops'] / 1e9 if cached else float('nan')):>12.2f} | {row['flop_speedup']:>9.2f}x | "
-              f"{row['full']['ops']:>8} | {(cached['ops'] if cached else 0):>10} | {row['launch_speedup']:>11.2f}x")
+        for s in sizes:
+            row["sizes"][s]["flop_speedup"] = base["sizes"][s]["flops_per_steps"] / row["sizes"][s]["flops_per_steps"]
+        print(f"| {row['config']} | {row['ops_full']} / {row['ops_cached']} | {row['launch_speedup']:.2f}× | "
+              + " | ".join(f"{row['sizes'][s]['flop_speedup']:.2f}×" for s in sizes) + " |")
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     with open(args.output, "w", encoding="utf-8") as f:
         json.dump({"version": ppdiffusers_tome.__version__, "command": "bash run.sh python benchmarks/cache_costs.py "
-                   + " ".join(argv if argv is not None else sys.argv[1:]), "resolution": args.resolution,
+                   + " ".join(argv if argv is not None else sys.argv[1:]), "preset": args.preset,
                    "interval": args.interval, "rows": rows}, f, indent=2)
     print(f"wrote {args.output}")
 

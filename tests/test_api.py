@@ -12,6 +12,7 @@ import pytest
 import ppdiffusers_tome
 from ppdiffusers_tome import api
 from ppdiffusers_tome.patch import ModelPatch, find_blocks, get_patch
+from ppdiffusers_tome.registry import hooks_of, original_class
 from ppdiffusers_tome.testing import tiny_controlnet_pipeline, tiny_sd_pipeline, tiny_unet
 from tests.conftest import run
 from tests.unet_calls import hook_counts, unet_inputs, unet_output
@@ -42,6 +43,7 @@ def test_vae_and_text_encoder_are_never_patched():
     for name in ("vae", "text_encoder"):
         component = getattr(pipe, name)
         assert all(get_patch(m) is None for m in component.sublayers(include_self=True))
+        assert all(hooks_of(m) is None and original_class(m) is type(m) for m in component.sublayers(include_self=True))
         assert all(not m._forward_pre_hooks for m in component.sublayers(include_self=True))
 
 
@@ -225,11 +227,12 @@ def test_from_pretrained_of_a_local_tiny_pipeline_then_apply(tmp_path):
 
 def test_stats_count_blocks_calls_and_merges():
     pipe = tiny_sd_pipeline().apply_tome(ratio=0.5)
-    zero = {"blocks": 7, "calls": 0, "merges": 0, "plans_computed": 0, "plans_reused": 0, "plans_shared": 0, "blocks_skipped": 0,
+    # "blocks": the blocks ToMe hooked: the 3 of the tiny UNet's 7 at its finest level (1x), the only ones that merge
+    zero = {"blocks": 3, "calls": 0, "merges": 0, "plans_computed": 0, "plans_reused": 0, "plans_shared": 0, "blocks_skipped": 0,
                 "blocks_pooled": 0}
     assert ppdiffusers_tome.tome_stats(pipe) == {"unet": zero}
     run(pipe, steps=2)
-    after = {"blocks": 7, "calls": 2, "merges": 6, "plans_computed": 6, "plans_reused": 0, "plans_shared": 0, "blocks_skipped": 0,
+    after = {"blocks": 3, "calls": 2, "merges": 6, "plans_computed": 6, "plans_reused": 0, "plans_shared": 0, "blocks_skipped": 0,
                 "blocks_pooled": 0}
     assert ppdiffusers_tome.tome_stats(pipe) == {"unet": after}
 
@@ -266,12 +269,17 @@ def test_tome_config_answers_for_pipelines_and_lists():
 def test_tome_status_tells_ours_from_the_builtin_port_with_settings():
     pipe = tiny_controlnet_pipeline()
     blocks = {name: len(find_blocks(getattr(pipe, name))) for name in ("unet", "controlnet")}
+    # this package hooks the blocks at the finest level only (the ones that can merge): 3 of the UNet's 7 blocks
+    # (down_blocks.0 and up_blocks.2 run at 1x), 1 of the ControlNet's 3 (down_blocks.0)
+    finest = {name: len([n for n, _ in find_blocks(getattr(pipe, name)) if n.startswith(("down_blocks.0.", "up_blocks.2."))])
+              for name in blocks}
+    assert finest == {"unet": 3, "controlnet": 1} and blocks == {"unet": 7, "controlnet": 3}
     off = ppdiffusers_tome.tome_status(pipe)
     assert off == {name: {"active": None, "settings": None, "blocks": 0, "cache": None} for name in blocks}
 
     pipe.apply_tome(ratio=0.4, merge_crossattn=True)
     ours = ppdiffusers_tome.tome_status(pipe)
-    for name, count in blocks.items():
+    for name, count in finest.items():
         assert ours[name]["active"] == "ppdiffusers_tome" and ours[name]["blocks"] == count > 0
         assert ours[name]["settings"] == ppdiffusers_tome.ToMeConfig(ratio=0.4, merge_crossattn=True).to_dict()
     pipe.remove_tome()
@@ -396,3 +404,119 @@ def test_a_rollback_is_not_stopped_by_a_forward_that_began_meanwhile(monkeypatch
 def test_warnings_point_past_this_package_only():
     assert api._ours("ppdiffusers_tome") and api._ours("ppdiffusers_tome.patch")
     assert not api._ours("ppdiffusers_tome_demo") and not api._ours("__main__")
+
+
+# apply_tome(obj, config=None, **options) --------------------------------------------------------------------------
+def test_apply_tome_takes_a_config_whose_fields_the_options_replace():
+    config = ppdiffusers_tome.ToMeConfig(ratio=0.3, merge_mlp=True, seed=5)
+    pipe = tiny_sd_pipeline()
+    assert ppdiffusers_tome.apply_tome(pipe, config=config, ratio=0.5) is pipe
+    applied = ppdiffusers_tome.tome_config(pipe)
+    assert applied == ppdiffusers_tome.ToMeConfig(ratio=0.5, merge_mlp=True, seed=5)
+    assert config.ratio == 0.3  # the caller's config is not changed
+    unet = ppdiffusers_tome.apply_tome(tiny_unet(), config)  # positionally, and without options: as it is
+    assert ppdiffusers_tome.tome_config(unet) == config
+    pipe.unet.apply_tome(config, seed=6)  # the method takes it too
+    assert ppdiffusers_tome.tome_config(pipe.unet) == ppdiffusers_tome.ToMeConfig(ratio=0.3, merge_mlp=True, seed=6)
+
+
+def test_tome_config_round_trips_to_bit_identical_outputs():
+    pipe = tiny_sd_pipeline()
+    vanilla = run(pipe, steps=3)
+    pipe.apply_tome(ratio=0.4, merge_crossattn=True, recompute_every=2, seed=3)
+    other = tiny_sd_pipeline()
+    assert ppdiffusers_tome.apply_tome(other, config=ppdiffusers_tome.tome_config(pipe)) is other
+    assert ppdiffusers_tome.tome_config(other) == ppdiffusers_tome.tome_config(pipe)
+    patched = run(pipe, steps=3)
+    assert np.abs(patched - vanilla).max() > 1e-4  # ToMe changes the images, so equality below means something
+    np.testing.assert_array_equal(run(other, steps=3), patched)
+    unet = ppdiffusers_tome.apply_tome(tiny_unet(), config=ppdiffusers_tome.tome_config(pipe.unet))  # model level
+    reference = ppdiffusers_tome.apply_tome(tiny_unet(), ratio=0.4, merge_crossattn=True, recompute_every=2, seed=3)
+    np.testing.assert_array_equal(unet_output(unet), unet_output(reference))
+
+
+@pytest.mark.parametrize(
+    "call,message",
+    [
+        (lambda pipe: ppdiffusers_tome.apply_tome(pipe, ratio=0.5, ration=0.3), r"unknown option\(s\) ration;"),
+        (lambda pipe: ppdiffusers_tome.apply_tome(pipe, max_downsampling=2, use_random=True),
+         r"unknown option\(s\) max_downsampling, use_random;"),
+        (lambda pipe: pipe.apply_tome(merge_attention=False), r"unknown option\(s\) merge_attention;"),
+        (lambda pipe: ppdiffusers_tome.apply_tome(pipe, 0.5), r"the ratio is a keyword: apply_tome\(pipe, ratio=0.5\)"),
+        (lambda pipe: pipe.apply_tome(0.5), r"the ratio is a keyword"),
+        (lambda pipe: ppdiffusers_tome.apply_tome(pipe, config={"ratio": 0.5}), r"config must be None or a ToMeConfig; got dict"),
+    ],
+    ids=["misspelt", "two_unknown", "method", "positional_ratio", "method_positional_ratio", "dict_config"],
+)
+def test_unknown_options_and_a_positional_ratio_are_refused_by_name(call, message):
+    pipe = tiny_sd_pipeline().apply_tome(ratio=0.3)
+    patch, before = get_patch(pipe.unet), hook_counts(pipe.unet)
+    with pytest.raises(ValueError, match=message):
+        call(pipe)
+    assert get_patch(pipe.unet) is patch and hook_counts(pipe.unet) == before
+    assert ppdiffusers_tome.tome_config(pipe).ratio == 0.3
+
+
+# after the last remove_*: no class of ppdiffusers or of the model stays changed -----------------------------------
+def _classes_of_ppdiffusers():
+    from ppdiffusers import DiffusionPipeline, ModelMixin, StableDiffusionPipeline, UNet2DConditionModel
+    from ppdiffusers.models.attention import BasicTransformerBlock, FeedForward
+    from ppdiffusers.models.attention_processor import Attention
+    from ppdiffusers.models.transformer_2d import Transformer2DModel
+
+    return [DiffusionPipeline, StableDiffusionPipeline, ModelMixin, UNet2DConditionModel, Transformer2DModel,
+            BasicTransformerBlock, Attention, FeedForward, paddle.nn.Layer]
+
+
+def check_nothing_stays_changed(last):
+    """The body of the test below, run in a fresh process (where no other patched model holds the generation boundary):
+    ToMe with recompute_every and the step cache on a pipeline, then both removed, ``last`` last."""
+    from ppdiffusers import DiffusionPipeline
+
+    from ppdiffusers_tome import generation
+
+    classes = _classes_of_ppdiffusers()
+    before = {cls: dict(cls.__dict__) for cls in classes}
+    progress_bar = DiffusionPipeline.__dict__["progress_bar"]
+    assert generation.holders() == 0 and progress_bar.__module__.startswith("ppdiffusers.")  # ppdiffusers' own
+    pipe = tiny_sd_pipeline()
+    vanilla = run(pipe, steps=3)
+
+    def layers():
+        return {(name, sub): layer for name in ("unet", "vae", "text_encoder")
+                for sub, layer in getattr(pipe, name).named_sublayers(include_self=True)}
+
+    layer_classes = {key: type(layer) for key, layer in layers().items()}
+
+    pipe.apply_tome(ratio=0.5, recompute_every=2)  # both remember across steps: both hold the generation boundary
+    pipe.apply_cache(interval=2)
+    assert DiffusionPipeline.__dict__["progress_bar"] is not progress_bar  # (so the checks below can fail)
+    assert [key for key, layer in layers().items() if type(layer) is not layer_classes[key]]
+    assert np.abs(run(pipe, steps=3) - vanilla).max() > 1e-4
+    first = "remove_tome" if last == "remove_cache" else "remove_cache"
+    getattr(pipe, first)()
+    assert DiffusionPipeline.__dict__["progress_bar"] is not progress_bar  # the other technique still uses it
+    getattr(pipe, last)()
+
+    assert DiffusionPipeline.__dict__["progress_bar"] is progress_bar and generation.holders() == 0
+    for cls in classes:
+        assert dict(cls.__dict__) == before[cls], cls.__name__
+    for key, layer in layers().items():
+        assert type(layer) is layer_classes[key] and hooks_of(layer) is None, key
+    np.testing.assert_array_equal(run(pipe, steps=3), vanilla)
+
+
+def test_after_the_last_remove_no_class_of_ppdiffusers_or_of_the_model_stays_changed():
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([repo, *filter(None, [os.environ.get("PYTHONPATH")])]))
+    code = ("import paddle; paddle.set_device('cpu')\n"
+            "from tests.test_api import check_nothing_stays_changed\n"
+            "for last in ('remove_cache', 'remove_tome'):\n"
+            "    check_nothing_stays_changed(last)\n"
+            "    print('ok', last)\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["ok", "remove_cache", "ok", "remove_tome"], done.stdout

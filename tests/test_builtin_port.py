@@ -10,7 +10,7 @@ from ppdiffusers_tome.patch import ModelPatch, get_patch
 from ppdiffusers_tome.testing import tiny_unet
 
 # items 1, 5, 6, 7, 9: threads, a retry after a fault, early exceptions, non-finite timesteps ----------------------
-from tests.unet_calls import hook_shape, hook_tables, unet_output
+from tests.unet_calls import hook_counts, hook_shape, hook_tables, unet_output
 
 
 # rollback with ppdiffusers' built-in port -------------------------------------------------------------------------
@@ -93,5 +93,10 @@ def test_success_still_replaces_the_builtin_port_on_every_target():
     for model in (first, second):
         assert not any(type(m).__name__.startswith("ToMe") for m in model.sublayers(include_self=True))
         assert not any("_tome_info" in m.__dict__ for m in model.sublayers(include_self=True))
-        assert hook_shape(model) == hook_shape(fresh)
+        assert hook_shape(model) == hook_shape(fresh)  # same hooks on layers of the same classes
         np.testing.assert_array_equal(unet_output(model), unet_output(fresh))
+    vanilla = hook_counts(tiny_unet())
+    ppdiffusers_tome.remove_tome([first, second])
+    for model in (first, second):  # neither the port's classes nor ours are left underneath
+        assert hook_counts(model) == vanilla
+        np.testing.assert_array_equal(unet_output(model), unet_output(tiny_unet()))

@@ -13,6 +13,7 @@ import pytest
 
 import ppdiffusers_tome
 from ppdiffusers_tome.patch import (
+    find_blocks,
     get_patch,
 )
 from ppdiffusers_tome.testing import (
@@ -33,19 +34,23 @@ from tests.unet_calls import (
 def test_hooks_registered_after_unpickling_in_a_fresh_process_do_not_collide(monkeypatch):
     from paddle.nn.layer.layers import HookRemoveHelper
 
-    unet = ppdiffusers_tome.apply_tome(tiny_unet(), ratio=0.5)
+    unet = tiny_unet()
+    vanilla = unet_output(unet)
+    ppdiffusers_tome.apply_tome(unet, ratio=0.5)
     patched = unet_output(unet)
     data = pickle.dumps(unet)
-    # a spawned worker that has registered fewer hooks so far: its next id is one that ToMe's hooks already use
-    monkeypatch.setattr(HookRemoveHelper, "next_hook_id", min(unet._forward_pre_hooks))
+    # a spawned worker that has registered no hook so far: Paddle's hook ids start again from 0 there
+    monkeypatch.setattr(HookRemoveHelper, "next_hook_id", 0)
     twin = pickle.loads(data)
+    assert not [m for m in twin.sublayers(include_self=True) if m._forward_pre_hooks or m._forward_post_hooks]
     seen = []
-    twin.register_forward_pre_hook(lambda *args: seen.append(1))
-    np.testing.assert_array_equal(unet_output(twin), patched)  # ToMe's own pre-hook still runs
-    assert seen == [1]
+    twin.register_forward_pre_hook(lambda *args: seen.append("model"))
+    find_blocks(twin)[0][1].attn1.register_forward_pre_hook(lambda *args: seen.append("attn1"))  # a hooked layer
+    np.testing.assert_array_equal(unet_output(twin), patched)  # ToMe's hooks and the user's both run
+    assert seen == ["model", "attn1"]
     ppdiffusers_tome.remove_tome(twin)  # takes off ToMe's hooks only
-    unet_output(twin)
-    assert seen == [1, 1]
+    np.testing.assert_array_equal(unet_output(twin), vanilla)
+    assert seen == ["model", "attn1"] * 2
 
 
 def test_reset_tome_does_not_disturb_a_call_in_flight_in_another_thread():
@@ -60,42 +65,38 @@ def test_reset_tome_does_not_disturb_a_call_in_flight_in_another_thread():
         stats = ppdiffusers_tome.tome_stats(unet)["UNet2DConditionModel"]
         assert stats["calls"] == stats["merges"] == stats["plans_computed"] == stats["plans_reused"] == 0
     np.testing.assert_array_equal(result["output"], patched)
-    assert get_patch(unet).state.busy_elsewhere() == 0
+    assert get_patch(unet).calls_in_flight() == 0
     np.testing.assert_array_equal(unet_output(unet), patched)  # and later calls are as before
 
 
-def test_a_generation_retried_after_a_fault_matches_a_fresh_model(monkeypatch):
-    timesteps = [999, 800, 600, 400]
-    context = unet_inputs(tiny_unet())[2]
+@pytest.mark.parametrize("fault", [RuntimeError, KeyboardInterrupt])
+def test_a_generation_retried_after_a_fault_matches_a_fresh_model(fault):
+    """A pipeline call that fails (or is interrupted) inside the UNet at its second step, after the first step kept
+    its plans: the next pipeline call is a new generation by itself (no reset_tome), as on a fresh pipeline."""
+    from ppdiffusers_tome.testing import tiny_sd_pipeline
+    from tests.conftest import run
 
-    def generation(unet):
-        outputs = []
-        with paddle.no_grad():
-            for i, t in enumerate(timesteps):
-                outputs.append(unet(step_sample(10 + i), paddle.to_tensor([t, t]), context).sample.numpy())
-        return outputs
+    fresh = tiny_sd_pipeline().apply_tome(ratio=0.5, recompute_every=3)
+    expected = run(fresh, steps=4, seed=1)
 
-    fresh = ppdiffusers_tome.apply_tome(tiny_unet(), ratio=0.5, recompute_every=3)
-    expected = generation(fresh)
+    pipe = tiny_sd_pipeline().apply_tome(ratio=0.5, recompute_every=3)
+    calls = []
 
-    unet = ppdiffusers_tome.apply_tome(tiny_unet(), ratio=0.5, recompute_every=3)
-    failures = []
+    def fail_at_the_second_step(layer, inputs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise fault("simulated fault late in the forward")
 
-    def fail_once(layer, inputs):
-        if not failures:
-            failures.append(1)
-            raise RuntimeError("simulated fault late in the forward")
-
-    handle = unet.conv_out.register_forward_pre_hook(fail_once)
-    with pytest.raises(RuntimeError, match="simulated fault"):
-        with paddle.no_grad():  # the first call of the generation, with other latents (a new seed on the retry)
-            unet(step_sample(99), paddle.to_tensor([999, 999]), context)
-    handle.remove()
-    assert get_patch(unet).state.busy_elsewhere() == 0
-    retried = generation(unet)
-    for got, want in zip(retried, expected):
-        np.testing.assert_array_equal(got, want)
-    assert ppdiffusers_tome.tome_stats(unet)["UNet2DConditionModel"]["plans_reused"] > 0  # the cache is in use
+    handle = pipe.unet.conv_out.register_forward_pre_hook(fail_at_the_second_step)
+    try:
+        with pytest.raises(fault):
+            run(pipe, steps=4, seed=0)  # other latents than the retry's
+    finally:
+        handle.remove()
+    assert len(calls) == 2 and get_patch(pipe.unet).calls_in_flight() == 0
+    retried = run(pipe, steps=4, seed=1)
+    np.testing.assert_array_equal(retried, expected)
+    assert ppdiffusers_tome.tome_stats(pipe)["unet"]["plans_reused"] > 0  # the cache is in use
 
 
 def test_an_exception_before_any_block_neither_warns_nor_spends_the_warning():
@@ -108,7 +109,7 @@ def test_an_exception_before_any_block_neither_warns_nor_spends_the_warning():
             with pytest.raises(Exception):
                 unet(sample[:, :3], t, context, **kwargs)  # conv_in wants 4 channels
     assert not [w for w in caught if "ToMe" in str(w.message)], [str(w.message) for w in caught]
-    assert get_patch(unet).state.busy_elsewhere() == 0
+    assert get_patch(unet).calls_in_flight() == 0
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with paddle.no_grad():
@@ -144,7 +145,7 @@ def test_a_nan_timestep_with_a_ratio_schedule_raises_and_leaves_the_model_workin
     with pytest.raises(ValueError, match="not finite"):
         with paddle.no_grad():
             unet(sample, paddle.to_tensor([float("nan")] * 2), context)
-    assert get_patch(unet).state.busy_elsewhere() == 0
+    assert get_patch(unet).calls_in_flight() == 0
     np.testing.assert_array_equal(unet_output(unet), expected)
 
 

@@ -20,16 +20,22 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "ppdiffusers_tome"
 # the doors to the tools, which the library itself never uses: entry points and test helpers
 DOORS = {"__main__.py", "presets.py", "testing.py"}
-# modules whose code runs inside a patched forward, and so inside a traced one (paddle.jit.to_static)
+# modules whose code runs inside a patched forward, and so inside a traced one (paddle.jit.to_static): the registry's
+# hooked forward and the hooks of every technique (registry.py, calls.py and its step clock in generation.py,
+# hooks.py, step_cache.py, cache_layout.py), what a ToMe block call runs (patch.py: begin_call, plan_block, end_call;
+# decision.py, policy.py, planner.py, state.py, checkpoint.py), the step programs (cache_export.py), SD3's attention
+# processor for the CPU (joint_attention.py) and the merge core
 TRACED = sorted(str(p.relative_to(PACKAGE)) for p in (PACKAGE / "ops").glob("*.py")) + [
-    "cache_export.py", "hooks.py", "planner.py", "state.py", "step_cache.py"]
+    "cache_export.py", "cache_layout.py", "calls.py", "checkpoint.py", "decision.py", "generation.py", "hooks.py",
+    "joint_attention.py", "patch.py", "planner.py", "policy.py", "registry.py", "state.py", "step_cache.py"]
 # functions of the traced modules that only run on the host, never inside a traced forward, with why
 HOST_ONLY = {
+    ("patch.py", "ModelPatch.__init__"),  # at apply_tome
+    ("patch.py", "ModelPatch._add_hooks"),  # at apply_tome
     ("planner.py", "Planner.__init__"),  # at apply_tome
-    ("state.py", "ToMeState.__init__"),  # at apply_tome
-    ("state.py", "ToMeState.refuse_conversion"),  # runs as plain Python (it asks SOT to fall back first)
-    ("state.py", "ToMeState._progress_of"),  # only with a ratio schedule, which refuses conversion
+    ("policy.py", "pools_by_default"),  # at apply_tome (Policy.__init__)
     ("cache_export.py", "_Step.__init__"),  # when the step programs are built
+    ("joint_attention.py", "JointMathAttnProcessor.__init__"),  # at use_math_attention
     ("step_cache.py", "StepCache.status"),  # cache_status / tome_status
 }
 
@@ -193,6 +199,15 @@ def tracing_rule_breaks(source: str, module: str) -> List[str]:
             if isinstance(sub, ast.ClassDef) or (isinstance(sub, ast.Name) and sub.id == "dataclass"):
                 found.append(f"{module}:{sub.lineno} {name} defines a class or a dataclass")
     return found
+
+
+def test_the_traced_and_host_only_lists_name_code_that_exists():
+    """A module renamed or a function moved fails here, not silently outside the tracing check."""
+    assert all((PACKAGE / module).is_file() for module in TRACED), [m for m in TRACED if not (PACKAGE / m).is_file()]
+    for module, name in HOST_ONLY:
+        assert module in TRACED, module
+        names = {qualified for qualified, _ in functions(ast.parse((PACKAGE / module).read_text(encoding="utf-8")))}
+        assert name in names, f"{module} has no function {name}"
 
 
 def test_traced_code_follows_the_tracing_rules():

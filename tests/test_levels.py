@@ -16,13 +16,14 @@ from tests.unet_calls import forward, sdxl_call, unet_inputs
 def test_only_blocks_at_or_below_max_downsample_merge():
     unet = tiny_unet()  # 3 blocks at 1x, 3 at 2x, 1 (the mid block) at 4x
     sample, t, context = unet_inputs(unet)
-    counts = {}
+    counts, hooked = {}, {}
     for level in (1, 2, 4):
         ppdiffusers_tome.apply_tome(unet, ratio=0.5, max_downsample=level)
         with paddle.no_grad():
             unet(sample, t, context)
-        counts[level] = get_patch(unet).state.merged_blocks
-    assert counts == {1: 3, 2: 6, 4: 7}
+        counts[level] = get_patch(unet).merged_blocks
+        hooked[level] = len(get_patch(unet).blocks)  # the UNet's structure says each block's level
+    assert counts == hooked == {1: 3, 2: 6, 4: 7}
 
 
 def test_odd_latent_sizes_merge_at_every_level():
@@ -32,7 +33,7 @@ def test_odd_latent_sizes_merge_at_every_level():
     with paddle.no_grad():
         out = unet(sample, t, context).sample
     assert out.shape == [2, 4, 9, 11]
-    assert get_patch(unet).state.merged_blocks == 7
+    assert get_patch(unet).merged_blocks == 7
     assert np.isfinite(out.numpy()).all()
 
 
@@ -40,6 +41,7 @@ def test_sdxl_at_an_explicit_level_1_warns_once_with_advice():
     unet = tiny_sdxl_unet()
     args, kwargs = sdxl_call(unet)
     ppdiffusers_tome.apply_tome(unet, ratio=0.5, max_downsample=1)
+    assert get_patch(unet).blocks == []  # no block at 1x: none is hooked, yet the calls still get the advice
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with paddle.no_grad():
@@ -50,7 +52,7 @@ def test_sdxl_at_an_explicit_level_1_warns_once_with_advice():
     ppdiffusers_tome.apply_tome(unet, ratio=0.5, max_downsample=2)
     with paddle.no_grad():
         unet(*args, **kwargs)
-    assert get_patch(unet).state.merged_blocks > 0
+    assert get_patch(unet).merged_blocks > 0
 
 
 def outputs_and_merged_blocks(unet, call, **options):
@@ -60,7 +62,7 @@ def outputs_and_merged_blocks(unet, call, **options):
         warnings.simplefilter("always")
         with paddle.no_grad():
             out = unet(*args, **kwargs).sample.numpy()
-    merged = get_patch(unet).state.merged_blocks
+    merged = get_patch(unet).merged_blocks
     ppdiffusers_tome.remove_tome(unet)
     return out, merged, [w for w in caught if "merged no tokens" in str(w.message)]
 

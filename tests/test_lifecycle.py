@@ -14,7 +14,8 @@ import pytest
 import ppdiffusers_tome
 from ppdiffusers_tome.patch import find_blocks, get_patch
 from ppdiffusers_tome.testing import tiny_unet
-from tests.unet_calls import hook_counts, step_sample, unet_inputs, unet_output
+from ppdiffusers_tome.registry import KEY, original_class
+from tests.unet_calls import hooks_attached, step_sample, unet_inputs, unet_output
 
 
 @pytest.fixture
@@ -27,7 +28,13 @@ def busy_switching():
 
 
 def hook_count(model):
-    return sum(pre + post for pre, post in hook_counts(model))
+    """Hooks attached to ``model`` and its sub-layers (this package's registry and Paddle's hook tables)."""
+    return hooks_attached(model)
+
+
+def untouched(model):
+    """Whether ``model`` and every sub-layer have their own class again and carry no attribute of this package."""
+    return all(original_class(m) is type(m) and KEY not in m.__dict__ for m in model.sublayers(include_self=True))
 
 
 # apply and remove are atomic per model ----------------------------------------------------------------------
@@ -76,6 +83,7 @@ def test_threads_applying_and_removing_at_once_leave_one_consistent_patch(busy_s
     ppdiffusers_tome.remove_tome(unet)
     assert get_patch(unet) is None and ppdiffusers_tome.tome_config(unet) is None
     assert hook_count(unet) == vanilla_hooks and not any(k.startswith("_ppdiffusers_tome") for k in unet.__dict__)
+    assert untouched(unet)
     np.testing.assert_array_equal(unet_output(unet), vanilla)
 
 
@@ -114,7 +122,10 @@ def test_an_interrupt_inside_a_forward_ends_the_call(error):
 
     interrupt_inside_forward(unet, error)
     assert patch.calls_in_flight() == 0
-    retried = generation(unet)  # the step after the interrupt is the first of a new generation, as on a fresh model
+    # outside a pipeline every call is a step: reset_tome starts the new generation (a pipeline call does it alone,
+    # see test_faults.py), which then runs as on a fresh model, cached plans and all
+    ppdiffusers_tome.reset_tome(unet)
+    retried = generation(unet)
     for got, want in zip(retried, expected):
         np.testing.assert_array_equal(got, want)
     assert ppdiffusers_tome.tome_stats(unet)["UNet2DConditionModel"]["plans_reused"] > 0
@@ -126,8 +137,8 @@ def test_an_interrupt_inside_a_forward_ends_the_call(error):
     remover = threading.Thread(target=lambda: outcome.append(ppdiffusers_tome.remove_tome(unet)))
     remover.start()
     remover.join(60)
-    assert outcome == [unet] and get_patch(unet) is None
-    assert hook_count(unet) == vanilla_hooks
+    assert len(outcome) == 1 and outcome[0] is unet and get_patch(unet) is None
+    assert hook_count(unet) == vanilla_hooks and untouched(unet)
     np.testing.assert_array_equal(unet_output(unet), vanilla)
 
 
@@ -150,8 +161,8 @@ def test_a_shallow_copy_shares_the_patch_consistently():
     vanilla, vanilla_hooks, attrs = unet_output(unet), hook_count(unet), set(unet.__dict__)
     ppdiffusers_tome.apply_tome(unet, ratio=0.5)
     merged = unet_output(unet)
-    twin = copy.copy(unet)  # shares the sub-layers and hook tables with unet: one model under two names
-    assert get_patch(twin) is get_patch(unet)
+    twin = copy.copy(unet)  # shares the sub-layers and hooks with unet: one model under two names
+    assert get_patch(twin) is get_patch(unet) and type(twin) is type(unet)
     np.testing.assert_array_equal(unet_output(twin), merged)
 
     ppdiffusers_tome.remove_tome(twin)  # used to take ToMe off unet while twin still reported it
@@ -159,6 +170,7 @@ def test_a_shallow_copy_shares_the_patch_consistently():
     for model in (unet, twin):
         assert ppdiffusers_tome.tome_status(model)["UNet2DConditionModel"]["active"] is None
         np.testing.assert_array_equal(unet_output(model), vanilla)
+        assert untouched(model)  # neither name keeps a hooked class or the registry
     assert hook_count(unet) == vanilla_hooks
 
     ppdiffusers_tome.apply_tome(twin, ratio=0.3)
@@ -170,13 +182,26 @@ def test_a_shallow_copy_shares_the_patch_consistently():
 
     ppdiffusers_tome.remove_tome(unet)
     assert ppdiffusers_tome.tome_config(twin) is None and get_patch(twin) is None
-    assert hook_count(twin) == vanilla_hooks and set(unet.__dict__) == attrs
+    assert hook_count(twin) == vanilla_hooks and set(unet.__dict__) == attrs == set(twin.__dict__)
+    assert untouched(unet) and untouched(twin)
     np.testing.assert_array_equal(unet_output(twin), vanilla)
 
     deep = copy.deepcopy(ppdiffusers_tome.apply_tome(unet, ratio=0.5))  # a deep copy stays independent
     ppdiffusers_tome.remove_tome(unet)
     assert ppdiffusers_tome.tome_config(deep).ratio == 0.5 and get_patch(twin) is None
     np.testing.assert_array_equal(unet_output(deep), merged)
+
+    from ppdiffusers_tome.step_cache import get_cache  # the step cache attaches the same way: shared by both names
+
+    ppdiffusers_tome.apply_tome(unet, ratio=0.5)
+    third = copy.copy(unet)
+    ppdiffusers_tome.apply_cache(third, interval=2)
+    assert get_cache(unet) is get_cache(third) is get_cache(twin) is not None
+    ppdiffusers_tome.remove_tome(twin)
+    assert get_patch(third) is None and get_cache(unet) is get_cache(third)
+    ppdiffusers_tome.remove_cache(unet)
+    assert all(untouched(model) and get_cache(model) is None for model in (unet, twin, third))
+    np.testing.assert_array_equal(unet_output(third), vanilla)
 
 
 # the model called inside its own forward ----------------------------------------------------------------------
@@ -232,15 +257,15 @@ def test_remove_and_apply_from_inside_the_models_own_forward_are_refused():
 
 
 def test_an_interrupted_call_is_not_taken_for_another_models_live_call():
-    """A call of u1 left by Ctrl-C in the main thread must not count as running while the main thread runs u2:
-    freed frame ids are reused at once, so only u1's own live calls may match its leftover record."""
+    """A call of u1 ended by Ctrl-C in the main thread must not count as running while the main thread runs u2:
+    each model counts its own calls in flight, and the interrupted one ended with its exception."""
     u1 = ppdiffusers_tome.apply_tome(tiny_unet(), ratio=0.5)
     u2 = ppdiffusers_tome.apply_tome(tiny_unet(), ratio=0.5)
     interrupt_inside_forward(u1, KeyboardInterrupt)
     seen, outcome = [], []
 
     def remove_u1():
-        seen.append(get_patch(u1).state.busy_elsewhere(u1))
+        seen.append(get_patch(u1).calls_in_flight())
         try:
             outcome.append(ppdiffusers_tome.remove_tome(u1))
         except RuntimeError as error:
@@ -258,7 +283,7 @@ def test_an_interrupted_call_is_not_taken_for_another_models_live_call():
     finally:
         handle.remove()
     assert seen == [0]
-    assert outcome == [u1] and get_patch(u1) is None
+    assert len(outcome) == 1 and outcome[0] is u1 and get_patch(u1) is None
     assert get_patch(u2) is not None
 
 
@@ -282,17 +307,39 @@ def test_a_call_inside_the_models_own_forward_does_not_warn_that_tome_changed_no
         handle.remove()
     messages = [str(w.message) for w in caught]
     assert inner[0] is not None and not [m for m in messages if "changed nothing" in m or "merged no tokens" in m], messages
-    assert not get_patch(unet).state.warned_no_merge
+    assert not get_patch(unet).counters.warned_no_merge
     assert ppdiffusers_tome.tome_stats(unet)["UNet2DConditionModel"]["calls"] == 2
 
 
-def test_calls_left_in_flight_by_a_dead_thread_are_dropped():
-    unet = ppdiffusers_tome.apply_tome(tiny_unet(), ratio=0.5)
-    state, idents = get_patch(unet).state, []
-    thread = threading.Thread(target=lambda: idents.append(threading.get_ident()))
-    thread.start()
-    thread.join(60)
-    state.in_flight[idents[0]] = [None]  # what a traced call of a thread that then died leaves behind
-    assert state.busy_elsewhere(unet) == 0 and idents[0] not in state.in_flight
+@pytest.mark.parametrize("death", ["SystemExit", "exception"])
+def test_a_thread_that_dies_inside_a_forward_leaves_no_call_in_flight(death):
+    unet = tiny_unet()
+    vanilla = unet_output(unet)
+    ppdiffusers_tome.apply_tome(unet, ratio=0.5)
+    patch, seen, workers = get_patch(unet), [], []
+
+    def die(layer, inputs):  # inside the worker's forward, after the first block's attn1 ran on merged tokens
+        if threading.current_thread() in workers:
+            seen.append(patch.calls_in_flight())
+            raise SystemExit() if death == "SystemExit" else RuntimeError("the worker dies")
+
+    def work():
+        try:
+            unet_output(unet)
+        except BaseException as error:  # the thread ends right after its forward failed
+            seen.append(type(error).__name__)
+
+    handle = find_blocks(unet)[0][1].attn2.register_forward_pre_hook(die)
+    try:
+        worker = threading.Thread(target=work)
+        workers.append(worker)
+        worker.start()
+        worker.join(60)
+    finally:
+        handle.remove()
+    expected = "SystemExit" if death == "SystemExit" else "RuntimeError"
+    assert not worker.is_alive() and seen == [1, expected]  # the call was counted while it ran
+    assert patch.calls_in_flight() == 0  # and ended with the thread
     ppdiffusers_tome.remove_tome(unet)  # not refused
-    assert get_patch(unet) is None
+    assert get_patch(unet) is None and untouched(unet)
+    np.testing.assert_array_equal(unet_output(unet), vanilla)

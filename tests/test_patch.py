@@ -7,13 +7,15 @@ import numpy as np
 import paddle
 import pytest
 
+from ppdiffusers.models.attention import BasicTransformerBlock
+
 import ppdiffusers_tome
 from ppdiffusers_tome.config import ToMeConfig
 from ppdiffusers_tome.merge import bipartite_soft_matching_random2d
 from ppdiffusers_tome.patch import ModelPatch, find_blocks, get_patch
 from ppdiffusers_tome.testing import tiny_unet
 from tests.conftest import run
-from tests.unet_calls import expected_block_output, hook_counts, unet_inputs
+from tests.unet_calls import expected_block_output, hook_counts, unet_inputs, unet_output
 
 
 @pytest.mark.parametrize("flags", [(True, False, False), (True, True, True), (False, True, False)])
@@ -29,8 +31,8 @@ def test_hooks_place_merge_and_unmerge_exactly_where_tomesd_does(flags):
         vanilla = block(x, encoder_hidden_states=context).numpy()
         config = ToMeConfig(use_rand=False, merge_attn=flags[0], merge_crossattn=flags[1], merge_mlp=flags[2])
         patch = ModelPatch.install(unet, config)
-        patch.state.begin_call(paddle.zeros([2, 4, 16, 16]), None)
-        got = block(x, encoder_hidden_states=context).numpy()
+        with patch.in_call(paddle.zeros([2, 4, 16, 16])):  # the block runs as inside a call with a 16x16 latent
+            got = block(x, encoder_hidden_states=context).numpy()
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
     assert np.abs(got - vanilla).max() > 1e-3  # merging changed something
     patch.remove()
@@ -42,9 +44,9 @@ def test_sample_by_keyword_and_by_position_give_the_same_result():
     ppdiffusers_tome.apply_tome(unet, ratio=0.5)
     with paddle.no_grad():
         positional = unet(sample, t, context).sample.numpy()
-        merges = get_patch(unet).state.merges
+        merges = get_patch(unet).counters.merges
         keyword = unet(sample=sample, timestep=t, encoder_hidden_states=context).sample.numpy()
-    assert merges > 0 and get_patch(unet).state.merges == 2 * merges
+    assert merges > 0 and get_patch(unet).counters.merges == 2 * merges
     np.testing.assert_array_equal(positional, keyword)
 
 
@@ -61,18 +63,33 @@ def test_chunked_feed_forward_is_left_alone():
     assert np.abs(whole - chunked).max() > 0  # merging was skipped for the chunked ff only
 
 
-def test_remove_restores_hook_tables_and_attributes():
+def test_remove_restores_classes_hooks_attributes_and_state_dict():
+    from ppdiffusers_tome.registry import KEY, original_class
+
     unet = tiny_unet()
+    reference = unet_output(unet)
     before_hooks = hook_counts(unet)
+    before_classes = {name: type(m) for name, m in unet.named_sublayers(include_self=True)}
     before_attrs = {id(m): set(m.__dict__) for m in unet.sublayers(include_self=True)}
+    before_state = {name: value.numpy().copy() for name, value in unet.state_dict().items()}
     sublayers = {name: id(m) for name, m in unet.named_sublayers(include_self=True)}
     ppdiffusers_tome.apply_tome(unet, ratio=0.5, merge_crossattn=True, merge_mlp=True)
+    unet_output(unet)  # a call leaves nothing behind either
     assert hook_counts(unet) != before_hooks
+    changed = [name for name, m in unet.named_sublayers(include_self=True) if type(m) is not before_classes[name]]
+    assert changed and all(original_class(m) is before_classes[n] for n, m in unet.named_sublayers(include_self=True))
     ppdiffusers_tome.remove_tome(unet)
     assert hook_counts(unet) == before_hooks
+    assert {name: type(m) for name, m in unet.named_sublayers(include_self=True)} == before_classes  # same classes
+    assert not any(KEY in m.__dict__ for m in unet.sublayers(include_self=True))
     assert {id(m): set(m.__dict__) for m in unet.sublayers(include_self=True)} == before_attrs
     assert {name: id(m) for name, m in unet.named_sublayers(include_self=True)} == sublayers
-    assert all(type(m).__name__ == "BasicTransformerBlock" for _, m in find_blocks(unet))
+    state = unet.state_dict()
+    assert list(state) == list(before_state)
+    for name, value in before_state.items():
+        np.testing.assert_array_equal(state[name].numpy(), value, err_msg=name)
+    assert all(type(m) is BasicTransformerBlock for _, m in find_blocks(unet))
+    np.testing.assert_array_equal(unet_output(unet), reference)
 
 
 def test_an_error_inside_a_patched_forward_leaves_the_model_usable():
@@ -154,9 +171,9 @@ def test_apply_and_remove_from_a_step_callback_take_effect_at_the_next_step():
         return kwargs
 
     run(pipe, steps=5, callback_on_step_end=callback)
-    expected = {"blocks": 7, "calls": 2, "merges": 6, "plans_computed": 6, "plans_reused": 0, "plans_shared": 0, "blocks_skipped": 0,
+    expected = {"blocks": 3, "calls": 2, "merges": 6, "plans_computed": 6, "plans_reused": 0, "plans_shared": 0, "blocks_skipped": 0,
                 "blocks_pooled": 0}
-    assert log == [expected]  # steps 1 and 2 merged, 3 blocks each
+    assert log == [expected]  # steps 1 and 2 merged, in the 3 hooked (1x) blocks each
     assert get_patch(pipe.unet) is None
 
 
@@ -176,14 +193,19 @@ def test_a_failing_merged_sublayer_leaves_no_silenced_hook_error():
 def test_call_state_is_cleared_after_each_call():
     unet = tiny_unet()
     inputs = unet_inputs(unet)
+    x = paddle.to_tensor(np.random.default_rng(4).standard_normal((2, 256, 32)).astype("float32"))
+    with paddle.no_grad():
+        untouched = find_blocks(tiny_unet())[0][1](x, encoder_hidden_states=inputs[2]).numpy()
     patch = ModelPatch.install(unet, ToMeConfig(ratio=0.5))
     with paddle.no_grad():
         unet(*inputs)
-        merges = patch.state.merges
+        merges = patch.counters.merges
         block = find_blocks(unet)[0][1]
-        block(paddle.randn([2, 256, 32]), encoder_hidden_states=inputs[2])  # outside any model call: no merging
-    assert patch.state.latent_hw is None and patch.state.merges == merges
-    assert patch.state.merged_blocks == 3  # the report of the last call survives
+        outside = block(x, encoder_hidden_states=inputs[2]).numpy()  # outside any model call: no merging
+    np.testing.assert_array_equal(outside, untouched)
+    assert patch.counters.merges == merges and patch.calls_in_flight() == 0
+    assert all(patch.plan_in_flight(index) is None for index, _, _ in patch.hooked)
+    assert patch.merged_blocks == 3 and patch.finest_level == 1  # the report of the last call survives
 
 
 def test_installing_over_an_existing_patch_leaves_no_orphan_hooks():

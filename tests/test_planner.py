@@ -1,6 +1,7 @@
 """The planner's decisions across calls and blocks: plans reused across steps (recompute_every), ratio
 schedules, plans shared per level, local plans (match_window) and min_tokens."""
 
+import contextlib
 import warnings
 
 import numpy as np
@@ -8,6 +9,7 @@ import paddle
 import pytest
 
 import ppdiffusers_tome
+from ppdiffusers_tome.calls import model_calls
 from ppdiffusers_tome.config import ToMeConfig
 from ppdiffusers_tome.patch import ModelPatch, find_blocks, get_patch
 from ppdiffusers_tome.testing import tiny_unet
@@ -33,19 +35,45 @@ def test_recompute_at_listed_steps_and_restart_with_a_new_generation():
     sample, _, context = unet_inputs(unet, batch=1)
     ppdiffusers_tome.apply_tome(unet, ratio=0.5, recompute_every=[0, 3])
     at = lambda t: dict(sample=sample, timestep=paddle.to_tensor([t]), encoder_hidden_states=context)  # noqa: E731
-    plans = plans_seen(unet, [at(t) for t in (900, 700, 500, 300, 100)] + [at(900), at(700)])
+    plans = plans_seen(unet, [at(t) for t in (900, 700, 500, 300, 100)])  # outside a pipeline: steps 0 to 4
     assert plans[0] is plans[1] is plans[2] and plans[3] is plans[4] and plans[3] is not plans[0]
-    assert plans[5] is not plans[4] and plans[6] is plans[5]  # t went back up: a new generation starts at step 0
-    np.testing.assert_array_equal(plans[5].dst_pos.numpy(), plans[0].dst_pos.numpy())  # same timestep, same draw
+    ppdiffusers_tome.reset_tome(unet)  # a new generation starts at step 0
+    again = plans_seen(unet, [at(900), at(700)])
+    assert again[0] is not plans[4] and again[1] is again[0]
+    np.testing.assert_array_equal(again[0].dst_pos.numpy(), plans[0].dst_pos.numpy())  # same timestep, same draw
+
+
+@contextlib.contextmanager
+def denoising_loop(steps):
+    """A denoising loop as a pipeline runs it: inside the pipeline's progress bar, which advances once per step
+    (after the step's model calls). Yields the step numbers."""
+    from ppdiffusers import DiffusionPipeline
+
+    pipe = DiffusionPipeline()
+    pipe.set_progress_bar_config(disable=True)
+    with pipe.progress_bar(total=steps) as bar:
+
+        def loop():
+            for step in range(steps):
+                yield step
+                bar.update()
+
+        yield loop()
 
 
 def test_plan_cache_keeps_the_two_halves_of_split_guidance_apart():
     unet = tiny_unet()
     sample, _, context = unet_inputs(unet, batch=2)
     ppdiffusers_tome.apply_tome(unet, ratio=0.5, recompute_every=2)
-    calls = [dict(sample=sample[i : i + 1], timestep=paddle.to_tensor([t]), encoder_hidden_states=context[i : i + 1])
-             for t in (999, 900) for i in (0, 1)]
-    cond0, uncond0, cond1, uncond1 = plans_seen(unet, calls)
+    patch, seen = get_patch(unet), []
+    handle = find_blocks(unet)[0][1].attn1.register_forward_pre_hook(
+        lambda layer, args: seen.append(patch.plan_in_flight(0)))
+    with denoising_loop(2) as steps, paddle.no_grad():
+        for step in steps:  # the prompted, then the unprompted half: two call sites of each step
+            for i in (0, 1):
+                unet(sample[i : i + 1], paddle.to_tensor([999 - 99 * step]), context[i : i + 1])
+    handle.remove()
+    cond0, uncond0, cond1, uncond1 = seen
     assert cond1 is cond0 and uncond1 is uncond0 and uncond0 is not cond0  # each half reuses its own matching
 
 
@@ -83,9 +111,9 @@ def test_ratio_schedule_can_switch_merging_off_late_and_reports_bad_values_clear
     ppdiffusers_tome.apply_tome(unet, ratio=lambda p: 0.5 if p < 0.5 else 0.0)
     with paddle.no_grad():
         unet(**at(900))
-        assert get_patch(unet).state.merged_blocks == 3
+        assert get_patch(unet).merged_blocks == 3
         unet(**at(100))
-        assert get_patch(unet).state.merged_blocks == 0
+        assert get_patch(unet).merged_blocks == 0
     ppdiffusers_tome.apply_tome(unet, ratio=lambda p: 0.9 if 0.52 < p < 0.58 else 0.3)  # passes the 11 probes
     with pytest.raises(ValueError, match=r"ratio\(progress=0.550\) must be in \[0, 0.75\) for sx=2, sy=2.*got 0.9"):
         with paddle.no_grad():
@@ -132,17 +160,17 @@ def test_a_scheduled_ratio_of_zero_turns_merging_off_even_when_a_plan_is_cached(
     assert (stats["plans_computed"], stats["plans_reused"]) == (3, 3)  # three merging blocks, at t=900 and 700
 
 
-def test_plan_cache_stays_bounded_when_every_call_has_the_same_timestep():
+def test_direct_calls_with_the_same_timestep_are_steps_and_the_plan_cache_stays_bounded():
     unet = tiny_unet()
     sample, t, context = unet_inputs(unet, batch=1)
     ppdiffusers_tome.apply_tome(unet, ratio=0.5, recompute_every=4)
     call = dict(sample=sample, timestep=t[:1], encoder_hidden_states=context)  # a one-step model, called 20 times
-    plans_seen(unet, [call] * 20)
-    history = get_patch(unet).state.history
-    assert history.step == 0 and history.slot == 19  # one step, twenty call sites
-    assert len(history.cache) == 3 * 20 <= history.MAX_PLANS  # three merging blocks, each call its own plans
+    plans = plans_seen(unet, [call] * 20)
+    assert model_calls(unet).position[:2] == (19, 0)  # outside a pipeline every call is a step of its own
+    assert all(plans[i] is plans[i - i % 4] for i in range(20)) and len({id(p) for p in plans}) == 5
+    assert len(get_patch(unet).planner.cache._plans()) == 3  # one plan per merging block and call site, not per call
     stats = ppdiffusers_tome.tome_stats(unet)["UNet2DConditionModel"]
-    assert (stats["plans_computed"], stats["plans_reused"]) == (60, 0)  # a call site is never reused across calls
+    assert (stats["plans_computed"], stats["plans_reused"]) == (5 * 3, 15 * 3)  # planned at steps 0, 4, ..., 16
 
 
 def test_a_cached_plan_is_not_reused_on_another_grid_and_reset_tome_forgets_it():
@@ -189,12 +217,14 @@ def test_match_window_blocks_merge_with_the_local_plan_written_by_hand(order):
     with paddle.no_grad():
         expected = expected_block_output(block, x, context, plan).numpy()
         patch = ModelPatch.install(unet, ToMeConfig(use_rand=False, match_window=8, match_order=order))
-        patch.state.begin_call(paddle.zeros([2, 4, 16, 16]), None)
-        got = block(x, encoder_hidden_states=context).numpy()
-        used = patch.plan_in_flight(0)
+        used = []
+        handle = block.attn1.to_q.register_forward_pre_hook(lambda layer, args: used.append(patch.plan_in_flight(0)))
+        with patch.in_call(paddle.zeros([2, 4, 16, 16])):
+            got = block(x, encoder_hidden_states=context).numpy()
+        handle.remove()
     patch.remove()
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
-    assert used is None or isinstance(used, LocalMergePlan)  # (the block's post-hook has already dropped it)
+    assert len(used) == 1 and isinstance(used[0], LocalMergePlan)
 
 
 def sd15_layout_unet():
@@ -264,9 +294,11 @@ def test_every_call_site_of_a_step_keeps_its_own_plan_for_any_number_of_calls():
     ppdiffusers_tome.apply_tome(unet, recompute_every=2)
     inputs = [unet_inputs(unet, seed=view) for view in range(views)]
     outputs = {view: [] for view in range(views)}
-    for t in timesteps:
-        for view, (sample, _, context) in enumerate(inputs):
-            outputs[view].append(forward(unet, sample, paddle.to_tensor([t, t], dtype="int64"), context))
+    with denoising_loop(len(timesteps)) as steps:
+        for step in steps:
+            t = paddle.to_tensor([timesteps[step]] * 2, dtype="int64")
+            for view, (sample, _, context) in enumerate(inputs):
+                outputs[view].append(forward(unet, sample, t, context))
     stats = ppdiffusers_tome.tome_stats(unet)["UNet2DConditionModel"]
     # three merging blocks: every view plans at steps 0 and 2 and reuses its own plan at step 1
     assert (stats["plans_computed"], stats["plans_reused"]) == (views * 3 * 2, views * 3)
@@ -274,6 +306,124 @@ def test_every_call_site_of_a_step_keeps_its_own_plan_for_any_number_of_calls():
         alone = tiny_unet()
         ppdiffusers_tome.apply_tome(alone, recompute_every=2)
         sample, _, context = inputs[view]
-        for step, t in enumerate(timesteps):
+        for step, t in enumerate(timesteps):  # outside a pipeline: each call a step
             np.testing.assert_array_equal(
                 outputs[view][step], forward(alone, sample, paddle.to_tensor([t, t], dtype="int64"), context))
+
+
+# the decision: a pure function, memoised by the patch; a skipped block reaches no plan code ------------------------
+def decision_fields(decision):
+    return {name: getattr(decision, name) for name in type(decision).__slots__}
+
+
+def test_decide_is_a_pure_function_of_its_inputs():
+    from ppdiffusers_tome.decision import decide, grid_of
+    from ppdiffusers_tome.state import CallRecord
+
+    unet = tiny_unet()
+    patch = ModelPatch.install(unet, ToMeConfig())
+    settings, counters = patch.settings, patch.counters
+    call = CallRecord((16, 16), None, 1, "cpu", 0.5)
+    before = (dict(vars(settings)), counters.as_dict(), dict(counters.decisions), settings.policy.warned)
+    for kernels, batch in (("cpu", 2), ("gpu", 2), ("gpu", 16)):
+        args = (settings, 256, batch, grid_of(settings, (16, 16), 256), 1, kernels, 0.5)
+        first, second = decide(*args), decide(*args)
+        assert decision_fields(first) == decision_fields(second)  # same inputs, an equal decision
+    assert (dict(vars(settings)), counters.as_dict(), dict(counters.decisions), settings.policy.warned) == before
+    assert (call.decisions, call.finest_level, call.merged_blocks, call.partitions) == ({}, None, 0, {})
+    patch.remove()
+
+
+def test_every_reason_of_decide_is_reachable():
+    from ppdiffusers_tome.decision import REASONS, Settings, decide, grid_of
+
+    unet = tiny_unet()
+
+    def reason(tokens=256, batch=2, kernels="cpu", ratio=0.5, latent=(16, 16), **options):
+        settings = Settings(ToMeConfig(**options), unet, find_blocks(unet))
+        grid = grid_of(settings, latent, tokens)
+        return decide(settings, tokens, batch, grid, 1, kernels, ratio).reason
+
+    found = {
+        reason(merge_attn=False): "nothing",
+        reason(tokens=100): "no_grid",  # 100 tokens are no level of a 16 x 16 latent
+        reason(tokens=64, max_downsample=1): "level",
+        reason(min_tokens=1024): "min_tokens",
+        reason(tokens=4096, latent=(64, 64), kernels="gpu"): "policy",  # 512 px with one image: skipped
+        reason(method="todo"): "todo",
+        reason(sx=32, sy=32): "no_cell",
+        reason(ratio=0.0): "ratio0",
+        reason(ratio=0.001): "rounds",
+        reason(): "merge",
+    }
+    assert all(got == wanted for got, wanted in found.items()), found
+    assert set(found) == set(REASONS)
+
+
+def test_a_blocks_decision_is_memoised_per_key_and_changes_with_the_ratio(monkeypatch):
+    import ppdiffusers_tome.patch as patch_module
+    from ppdiffusers_tome.planner import Planner
+
+    decided, planned = [], []
+    real_decide, real_plan = patch_module.decide, Planner.plan
+    monkeypatch.setattr(patch_module, "decide", lambda *args: decided.append(real_decide(*args)) or decided[-1])
+    monkeypatch.setattr(Planner, "plan", lambda self, decision, *args: planned.append(decision) or
+                        real_plan(self, decision, *args))
+    unet = tiny_unet()
+    sample, _, context = unet_inputs(unet, batch=1)
+    ppdiffusers_tome.apply_tome(unet, ratio=(0.6, 0.2))
+    with paddle.no_grad():
+        for t in (999, 999):
+            unet(sample, paddle.to_tensor([t]), context)
+        assert len(decided) == 1 and len(planned) == 6  # three merging blocks, two calls: decided once
+        assert all(decision is decided[0] for decision in planned)
+        unet(sample, paddle.to_tensor([500]), context)  # another ratio: another key
+    assert len(decided) == 2 and decided[1] is not decided[0]
+    assert all(decision is decided[1] for decision in planned[6:]) and len(planned) == 9
+    assert (decided[0].ratio, decided[1].ratio) == (pytest.approx(0.6 - 0.4 * 0.001), pytest.approx(0.4))
+
+
+def test_a_skipped_block_call_reaches_no_plan_code(monkeypatch):
+    """On GPU kernels the default policy skips blocks whose attention work is below min_work (at 512 px with one
+    image, batch 2 x 4096 tokens, every block): that path runs no code of the planner, and the output is the
+    vanilla UNet's. (The UNet runs at a 16 x 16 latent, skipped by the same rule, where the tiny UNet is fast.)"""
+    from ppdiffusers_tome.planner import Planner
+    from ppdiffusers_tome.testing import gpu_kernels
+
+    unet = tiny_unet()
+    inputs = unet_inputs(unet, batch=2)
+    vanilla = forward(unet, *inputs)
+    ppdiffusers_tome.apply_tome(unet, ratio=0.5)
+    patch = get_patch(unet)
+
+    def never(*args, **kwargs):
+        raise AssertionError("a skipped block reached the planner")
+
+    for name in ("plan", "global_plan", "local_plan", "partition", "window_partition"):
+        monkeypatch.setattr(Planner, name, never)
+    with gpu_kernels():
+        with patch.in_call(paddle.zeros([2, 4, 64, 64])) as call:  # 512 px, one image: the first block's input
+            assert patch.plan_block(0, paddle.zeros([2, 4096, 32]), call) is None
+        outputs = [forward(unet, *inputs) for _ in range(2)]
+    for output in outputs:
+        np.testing.assert_array_equal(output, vanilla)
+    stats = ppdiffusers_tome.tome_stats(unet)["UNet2DConditionModel"]
+    assert stats["blocks_skipped"] == 1 + 3 * 2 and stats["plans_computed"] == 0 and stats["merges"] == 0
+    assert ppdiffusers_tome.tome_status(unet)["UNet2DConditionModel"]["policy"][4096]["action"] == "skip"
+
+
+def test_the_decision_memo_stays_bounded_under_a_ratio_schedule(monkeypatch):
+    """A ratio schedule makes a new memo key at every new timestep (continuous timesteps: at every call): the memo
+    starts over at its bound instead of growing for as long as the model is used."""
+    import ppdiffusers_tome.patch as patch_module
+
+    monkeypatch.setattr(patch_module, "MAX_DECISIONS", 2)
+    unet = tiny_unet()
+    sample, _, context = unet_inputs(unet, batch=1)
+    ppdiffusers_tome.apply_tome(unet, ratio=(0.6, 0.2))
+    sizes = []
+    with paddle.no_grad():
+        for t in (999.5, 700.25, 500.125, 300.0625):
+            unet(sample, paddle.to_tensor([t]), context)
+            sizes.append(len(get_patch(unet)._decisions))
+    assert sizes == [1, 2, 1, 2]

@@ -1,5 +1,5 @@
-"""Every public name of 0.8.1 still imports where it did, the public doors (``testing``, ``presets``) lead to the
-tools' objects themselves, and ``testing.gpu_kernels`` switches the kernel family and nothing else."""
+"""Every public name of 0.8.1 and 0.11 still imports where it did, the public doors (``testing``, ``presets``) lead
+to the tools' objects themselves, and ``testing.gpu_kernels`` switches the kernel family and nothing else."""
 
 import importlib
 import threading
@@ -13,6 +13,7 @@ import ppdiffusers_tome.presets as presets
 import ppdiffusers_tome.testing as testing
 from ppdiffusers_tome.ops.runtime import device_kind, forced_kernels
 from ppdiffusers_tome.tools import presets as tool_presets
+from ppdiffusers_tome.tools import tiny
 
 # (module, names) as 0.8.1 exported them: a user's import of any of them keeps working
 NAMES_081 = {
@@ -29,13 +30,43 @@ NAMES_081 = {
                              "tome_models", "tome_status", "tome_stats", "install_methods", "uninstall_methods"],
     "ppdiffusers_tome.patch": ["ModelPatch", "ToMeState", "ToMeStaticGraphError", "PATCH_LOCK", "find_blocks",
                                "get_patch"],
-    "ppdiffusers_tome.state": ["CallRecord", "StepHistory", "ToMeState", "ToMeStaticGraphError", "timestep_values"],
+    # (0.8.1's StepHistory, the step history of recompute_every inside ToMeState, is gone: plans kept across steps
+    # are PlanCache's, steps come from the step clock of generation.py; ToMeState names what ModelPatch.state is)
+    "ppdiffusers_tome.state": ["CallRecord", "ToMeState", "ToMeStaticGraphError", "timestep_values"],
     "ppdiffusers_tome.testing": ["TEXT_HIDDEN", "make_scheduler", "random_controlnet", "tiny_controlnet",
                                  "tiny_controlnet_pipeline", "tiny_dit_pipeline", "tiny_dit_transformer",
                                  "tiny_sd_pipeline", "tiny_sdxl_pipeline", "tiny_sdxl_unet", "tiny_text_encoder",
                                  "tiny_tokenizer", "tiny_unet", "tiny_vae", "write_tokenizer_files"],
     "ppdiffusers_tome.presets": ["preset_pipeline", "available_presets", "load_preset", "default_resolution",
                                  "load_local_pipeline", "preset_summary", "DEFAULT_PRESET"],
+}
+
+# (module, names) that 0.11 added to its modules' __all__ and that still mean something. Left out, as internals of
+# the forward hooks that 0.12's registry replaced: hooks.BlockHooks, SublayerHooks, HookRecord and HookCall (Paddle
+# forward-hook records: now registry.Hook subclasses BlockHook and SublayerHook), and state.StepHistory.
+NAMES_011 = {
+    "ppdiffusers_tome": ["CacheConfig", "apply_cache", "remove_cache", "reset_cache", "cache_status", "StepPrograms",
+                         "ScheduledSteps"],
+    "ppdiffusers_tome.step_cache": ["CacheConfig", "StepCache", "StepCacheError", "apply_cache", "cache_status",
+                                    "get_cache", "remove_cache", "reset_cache"],
+    "ppdiffusers_tome.cache_export": ["CachedStep", "FullStep", "ScheduledSteps", "StepPrograms"],
+    "ppdiffusers_tome.checkpoint": ["RecomputePlans", "ReentrantRecomputeError", "reentrant_recompute"],
+    "ppdiffusers_tome.config": ["POLICIES"],
+    "ppdiffusers_tome.hooks": ["TENSOR_TYPES"],
+    "ppdiffusers_tome.planner": ["Planner", "finest_block_level"],
+    "ppdiffusers_tome.policy": ["ASSUMED_BATCH", "MERGE_MIN_WORK", "POOL_MIN_RATIO", "POOL_MIN_WORK", "Decision",
+                                "Policy", "pools_by_default"],
+    "ppdiffusers_tome.merge": ["DEFAULT_CACHE_BYTES", "DenseFeaturePlan", "DenseLocalPlan", "GroupMergePlan",
+                               "feature_partition_table", "force_kernels", "similarity_dtype"],
+    "ppdiffusers_tome.testing": ["gpu_kernels"],
+    "ppdiffusers_tome.tools.presets": ["DEFAULT_PRESET", "DTYPES", "available_memory_bytes", "available_presets",
+                                       "check_attention_memory", "check_dtype", "default_resolution",
+                                       "estimate_attention_bytes", "folder_layout", "load_local_pipeline",
+                                       "load_preset", "make_scheduler", "preset_layout", "preset_pipeline",
+                                       "preset_summary", "random_controlnet", "tiny_controlnet",
+                                       "tiny_controlnet_pipeline", "tiny_dit_pipeline", "tiny_dit_transformer",
+                                       "tiny_sd_pipeline", "tiny_sdxl_pipeline", "tiny_sdxl_unet", "tiny_text_encoder",
+                                       "tiny_tokenizer", "tiny_unet", "tiny_vae", "write_tokenizer_files"],
 }
 
 
@@ -46,12 +77,31 @@ def test_every_public_name_of_0_8_1_still_imports(module):
     assert not missing, f"{module} lost {missing}"
 
 
+@pytest.mark.parametrize("module", list(NAMES_011))
+def test_every_public_name_of_0_11_still_imports(module):
+    loaded = importlib.import_module(module)
+    missing = [name for name in NAMES_011[module] if not hasattr(loaded, name)]
+    assert not missing, f"{module} lost {missing}"
+
+
+def test_the_state_of_a_patch_is_still_a_tome_state():
+    """0.11's ToMeState is the type of ``ModelPatch.state`` (the counters of tome_stats), in both its modules."""
+    from ppdiffusers_tome.patch import ModelPatch, ToMeState
+    from ppdiffusers_tome.state import ToMeState as StateToMeState
+
+    patch = ModelPatch.install(testing.tiny_unet(), ppdiffusers_tome.ToMeConfig())
+    assert ToMeState is StateToMeState and isinstance(patch.state, ToMeState) and patch.state is patch.counters
+    assert patch.state.calls == 0 and patch.state.merges == 0
+    patch.remove()
+
+
 def test_the_public_doors_lead_to_the_tools_objects():
     for name in presets.__all__:
         assert getattr(presets, name) is getattr(tool_presets, name), name
     for name in testing.__all__:
-        if name != "gpu_kernels":
-            assert getattr(testing, name) is getattr(tool_presets, name), name
+        if name != "gpu_kernels":  # the tiny builders are tiny.py's, re-exported by tools.presets too
+            assert getattr(testing, name) is getattr(tiny, name) is getattr(tool_presets, name), name
+    assert set(tiny.__all__) <= set(testing.__all__) and set(tiny.__all__) - {"TEXT_HIDDEN"} <= set(presets.__all__)
 
 
 def test_gpu_kernels_switch_the_kernel_family_in_every_thread_and_come_back():

@@ -118,14 +118,15 @@ def test_odd_batch_keeps_randomness_and_merges():
 def test_unknown_timestep_falls_back_to_call_count():
     unet = tiny_unet()
     patch = ModelPatch.install(unet, ToMeConfig())
-    state = patch.state
-    state.begin_call(paddle.zeros([1, 4, 8, 8]), None)
-    a = patch.planner.partition(0, 8, 8).numpy()
-    state.end_call()
-    state.begin_call(paddle.zeros([1, 4, 8, 8]), None)
-    b = patch.planner.partition(0, 8, 8).numpy()
-    state.end_call()
-    assert not np.array_equal(a, b) and state.calls == 2
+    partitions = []
+    for _ in range(2):
+        with patch.in_call(paddle.zeros([1, 4, 8, 8]), None) as call:  # no timestep: the call's number keys it
+            partitions.append(patch.planner.partition(0, 8, 8, call).numpy())
+    a, b = partitions
+    assert not np.array_equal(a, b) and patch.counters.calls == 2
     assert sorted(a.tolist()) == list(range(64))
-    state.reset()
-    assert state.calls == 0 and state.latent_hw is None
+    patch.reset()  # the calls are counted from the reset again: the first call's partition comes back
+    assert patch.counters.calls == 0 and patch.local.call is None
+    with patch.in_call(paddle.zeros([1, 4, 8, 8]), None) as call:
+        np.testing.assert_array_equal(patch.planner.partition(0, 8, 8, call).numpy(), a)
+    patch.remove()

@@ -1,16 +1,28 @@
-"""state.py: the per-thread call record and step history, and ToMeState, the only code that writes them."""
+"""state.py and generation.py: the record of the call in flight (CallRecord), the plans kept across steps
+(PlanCache), the counters, and the step clock: which denoising step and call site a model call is, counted from the
+pipeline's own progress bar (Heun and KDPM2 call the model twice per step, PNDM once more at its warm-up), every
+call its own step outside a pipeline."""
 
 import copy
 import pickle
 import threading
+from types import SimpleNamespace
 
+import numpy as np
 import paddle
+import ppdiffusers
 import pytest
 
+import ppdiffusers_tome
+from ppdiffusers_tome import generation
+from ppdiffusers_tome.calls import model_calls
 from ppdiffusers_tome.config import ToMeConfig
-from ppdiffusers_tome.merge import bipartite_soft_matching_random2d
-from ppdiffusers_tome.planner import Planner
-from ppdiffusers_tome.state import StepHistory, ToMeState, timestep_values
+from ppdiffusers_tome.generation import StepClock
+from ppdiffusers_tome.patch import ModelPatch, get_patch
+from ppdiffusers_tome.state import CallRecord, Counters, PlanCache, timestep_values
+from ppdiffusers_tome.testing import tiny_sd_pipeline, tiny_unet
+from tests.conftest import run
+from tests.unet_calls import unet_inputs
 
 
 def test_timestep_values_are_the_distinct_values_sorted_or_none():
@@ -21,149 +33,224 @@ def test_timestep_values_are_the_distinct_values_sorted_or_none():
     assert timestep_values([]) is None and timestep_values("noon") is None
 
 
-def test_step_history_counts_steps_slots_and_new_generations():
-    history = StepHistory()
-    history.advance(("t", 999), 0.001)
-    assert (history.step, history.slot) == (0, 0)
-    history.advance(("t", 999), 0.001)  # the second half of split guidance: same step, next slot
-    assert (history.step, history.slot) == (0, 1)
-    history.slot = 0
-    history.store("0", "plan", (8, 8))
-    history.advance(("t", 800), 0.2)
-    assert (history.step, history.slot) == (1, 0) and history.cache
-    saved = history.snapshot()
-    history.advance(("t", 999), 0.001)  # noisier than the last step: a new generation forgets the cached plans
-    assert (history.step, history.slot, history.cache) == (0, 0, {})
-    history.restore(saved)
-    assert (history.step, history.last_key, list(history.cache)) == (1, ("t", 800), ["0/0"])
+# the call record ------------------------------------------------------------------------------------------------
+def test_a_call_record_lives_for_its_call_only_and_says_what_the_blocks_need():
+    patch = ModelPatch.install(tiny_unet(), ToMeConfig(ratio=(0.6, 0.2)))
+    assert patch.local.call is None
+    with patch.in_call(paddle.zeros([1, 4, 8, 6]), paddle.to_tensor(500)) as call:
+        assert patch.local.call is call and isinstance(call, CallRecord)
+        assert (call.latent_hw, call.number, call.kernels) == ((8, 6), 1, "cpu")
+        assert call.ratio == pytest.approx(0.4)  # the scheduled ratio at progress 0.5
+        assert call.partitions == {} and call.shared == {} and call.merged_blocks == 0 and call.finest_level is None
+    assert patch.local.call is None
+    with pytest.raises(ValueError, match="inside"):
+        with patch.in_call(paddle.zeros([1, 4, 8, 8]), paddle.to_tensor(999)) as second:
+            raise ValueError("inside")
+    assert patch.local.call is None and second.number == 2 and patch.counters.calls == 2
+    patch.remove()
 
 
-def test_step_history_gives_every_call_of_a_step_its_own_slot_and_bounds_the_cache():
-    history = StepHistory()
-    for call in range(40):  # e.g. one view of a panorama per call, 40 views per step
-        history.advance("t999", 0.001)
-        assert (history.step, history.slot) == (0, call)
-        history.store("0", f"plan{call}", (8, 8))
-    history.advance("t900", 0.1)
-    assert (history.step, history.slot) == (1, 0) and history.lookup("0")[0] == "plan0"
-    history.slot = 39
-    assert history.lookup("0")[0] == "plan39"
-    for slot in range(StepHistory.MAX_PLANS + 10):  # a one-step model called again and again
-        history.slot = slot
-        history.store("1", slot, (8, 8))
-    assert len(history.cache) == StepHistory.MAX_PLANS
-    assert "1/0" not in history.cache and f"1/{StepHistory.MAX_PLANS + 9}" in history.cache  # least recent first
+@pytest.mark.parametrize("options, reads", [(dict(ratio=(0.6, 0.2)), True), (dict(recompute_every=3), False),
+                                            (dict(method="todo", ratio=(0.6, 0.2)), False), (dict(), False)])
+def test_only_a_ratio_schedule_reads_the_timestep_on_the_host(monkeypatch, options, reads):
+    """The step of a call comes from the step clock, never from the timestep: only a ratio schedule (which needs
+    the denoising progress as a number) reads it back from the device."""
+    import ppdiffusers_tome.patch as patch_module
+
+    read = []
+    real = patch_module.progress_of
+    monkeypatch.setattr(patch_module, "progress_of", lambda *args: read.append(args) or real(*args))
+    unet = tiny_unet()
+    ppdiffusers_tome.apply_tome(unet, **options)
+    with paddle.no_grad():
+        unet(*unet_inputs(unet))
+    assert bool(read) is reads
 
 
-def test_begin_and_end_call_keep_the_record_of_the_call_in_flight_only():
-    state = ToMeState(ToMeConfig(), num_blocks=2)
-    assert not state.reads_timestep  # a constant ratio without caching never reads the timestep on the host
-    state.begin_call(paddle.zeros([1, 4, 8, 6]), paddle.to_tensor(999))
-    assert state.latent_hw == (8, 6) and state.calls == 1 and state.saw_level(2) == 2 and state.saw_level(1) == 1
-    assert state.saw_level(4) == 1 and state.finest_level == 1
-    plan = bipartite_soft_matching_random2d(paddle.randn([1, 48, 4]), 6, 8, 2, 2, 24, generator=0)
-    state.set_plan(0, plan)
-    state.begin_merge("0/attn1", plan)
-    assert state.plan_of(0) is plan and state.plan_of(1) is None and state.merged_blocks == 1 and state.merges == 1
-    state.end_block(0)  # the block's post-hook drops its plan and any unmerge left pending
-    assert state.plan_of(0) is None and state.end_merge("0/attn1") is None
-    state.end_call()
-    assert state.latent_hw is None and state.call.timestep is None and state.calls == 1
+# the plan cache -------------------------------------------------------------------------------------------------
+def record(step, site=0):
+    call = CallRecord((4, 4), None, 1, "cpu", 0.5)
+    call.step, call.site = step, site
+    return call
 
 
-@pytest.mark.parametrize("kwargs,reads", [(dict(ratio=(0.6, 0.2)), True), (dict(recompute_every=3), True),
-                                          (dict(method="todo", ratio=(0.6, 0.2)), False), (dict(), False)])
-def test_only_schedules_and_plan_caching_read_the_timestep(kwargs, reads):
-    assert ToMeState(ToMeConfig(**kwargs)).reads_timestep is reads
+def plan(batch=2):
+    return SimpleNamespace(batch_size=batch)
 
 
-def test_cached_plans_follow_recompute_every_and_a_failed_call_puts_the_history_back():
-    state = ToMeState(ToMeConfig(recompute_every=2), num_blocks=1)
-    plan = bipartite_soft_matching_random2d(paddle.randn([2, 16, 4]), 4, 4, 2, 2, 8, generator=0)
-    reused = []
-    for t in (900, 800, 700):
-        state.begin_call(paddle.zeros([2, 4, 4, 4]), paddle.to_tensor([t, t]))
-        cached = state.cached_plan("0", 2, 4, 4)
-        reused.append(cached is plan)
-        if cached is None:
-            state.store_plan("0", plan, 4, 4)
-        assert state.cached_plan("0", 1, 4, 4) is None and state.cached_plan("0", 2, 4, 2) is None  # other shapes
-        state.end_call()
-    assert reused == [False, True, False] and state.history.step == 2
-    before = state.history.snapshot()
-    state.begin_call(paddle.zeros([2, 4, 4, 4]), paddle.to_tensor([600, 600]))
-    assert state.history.step == 3
-    state.end_call(completed=False)  # the call raised: as if it never happened
-    assert state.history.snapshot() == before and state.history.step == 2
+def test_cached_plans_follow_recompute_every_by_step_and_need_the_same_batch_and_grid():
+    cache, kept = PlanCache(2), plan()
+    found = []
+    for step in range(5):
+        call = record(step)
+        reused = cache.lookup("0", call, 2, (4, 4))
+        found.append(reused is kept)
+        assert cache.lookup("0", call, 1, (4, 4)) is None and cache.lookup("0", call, 2, (4, 2)) is None
+        assert cache.lookup("1", call, 2, (4, 4)) is None  # another block (or level)
+        if reused is None:
+            cache.store("0", call, kept, (4, 4))
+    assert found == [False, True, False, True, False]  # made at steps 0, 2 and 4, each kept for one more step
 
 
 def test_listed_recompute_steps():
-    state = ToMeState(ToMeConfig(recompute_every=[0, 2]), num_blocks=1)
-    plan = bipartite_soft_matching_random2d(paddle.randn([1, 16, 4]), 4, 4, 2, 2, 8, generator=0)
+    cache, kept = PlanCache((0, 2)), plan()
     found = []
-    for t in (900, 800, 700, 600):
-        state.begin_call(paddle.zeros([1, 4, 4, 4]), paddle.to_tensor(t))
-        found.append(state.cached_plan("0", 1, 4, 4) is plan)
-        state.store_plan("0", plan, 4, 4)
-        state.end_call()
+    for step in range(4):
+        found.append(cache.lookup("0", record(step), 2, (4, 4)) is kept)
+        cache.store("0", record(step), kept, (4, 4))
     assert found == [False, True, False, True]  # recomputed at steps 0 and 2 only
 
 
-def test_partitions_are_drawn_once_per_call_and_grid_for_every_block():
-    state = ToMeState(ToMeConfig(), num_blocks=3)
-    planner = Planner(ToMeConfig(), state, None, [("a", None), ("b", None), ("c", None)])
-    state.begin_call(paddle.zeros([1, 4, 8, 8]), paddle.to_tensor(500))
-    rows = [planner.partition(block, 8, 8).numpy() for block in range(3)]
-    assert all(sorted(row.tolist()) == list(range(64)) for row in rows)  # each a permutation of the grid
-    assert len({tuple(row) for row in rows}) == 3  # every block its own partition
-    assert planner.partition(1, 8, 8).numpy().tolist() == rows[1].tolist() and list(state.call.partitions) == ["8x8"]
-    state.end_call()
-    state.begin_call(paddle.zeros([1, 4, 8, 8]), paddle.to_tensor(500))  # same timestep: same partition
-    assert planner.partition(1, 8, 8).numpy().tolist() == rows[1].tolist()
-    state.end_call()
-    state.begin_call(paddle.zeros([1, 4, 8, 8]), paddle.to_tensor(400))
-    assert planner.partition(1, 8, 8).numpy().tolist() != rows[1].tolist()
-    state.end_call()
+def test_each_call_site_keeps_its_own_plans_and_the_cache_stays_bounded(monkeypatch):
+    cache = PlanCache(10)
+    sites = [plan() for _ in range(40)]  # e.g. one view of a panorama per call, 40 views per step
+    for site, kept in enumerate(sites):
+        cache.store("0", record(0, site), kept, (4, 4))
+    assert all(cache.lookup("0", record(1, site), 2, (4, 4)) is kept for site, kept in enumerate(sites))
+    monkeypatch.setattr(PlanCache, "MAX_PLANS", 16)
+    for site in range(40, 60):  # many more call sites than it holds
+        cache.store("0", record(1, site), plan(), (4, 4))
+    assert len(cache._plans()) == 16
+    assert cache.lookup("0", record(2, 0), 2, (4, 4)) is None  # the least recently used went first
+    assert cache.lookup("0", record(2, 59), 2, (4, 4)) is not None
+    cache.clear()
+    assert cache.lookup("0", record(2, 59), 2, (4, 4)) is None
 
 
-def test_busy_elsewhere_counts_calls_in_other_threads():
-    state = ToMeState(ToMeConfig())
-    inside, leave = threading.Event(), threading.Event()
+def test_plans_are_kept_per_thread_and_copies_keep_the_setting_only():
+    cache, kept = PlanCache(3), plan()
+    cache.store("0", record(0), kept, (4, 4))
+    elsewhere = []
+    worker = threading.Thread(target=lambda: elsewhere.append(cache.lookup("0", record(1), 2, (4, 4))))
+    worker.start()
+    worker.join(30)
+    assert elsewhere == [None] and cache.lookup("0", record(1), 2, (4, 4)) is kept
+    for twin in (copy.deepcopy(cache), pickle.loads(pickle.dumps(cache))):
+        assert twin.every == 3 and twin.lookup("0", record(1), 2, (4, 4)) is None
+
+
+def test_counters_reset_and_survive_copies():
+    counters = Counters()
+    counters.calls, counters.merges, counters.warned_no_merge = 3, 7, True
+    counters.decisions[256] = "a decision"
+    for twin in (copy.deepcopy(counters), pickle.loads(pickle.dumps(counters))):
+        assert twin.as_dict() == counters.as_dict() and twin.as_dict()["merges"] == 7
+    assert list(counters.as_dict()) == list(Counters.NAMES)
+    counters.reset()
+    assert set(counters.as_dict().values()) == {0} and counters.decisions == {} and not counters.warned_no_merge
+
+
+# the step clock ---------------------------------------------------------------------------------------------------
+def test_outside_a_pipeline_every_call_is_a_step_of_its_own_per_thread():
+    clock = StepClock()
+    assert [clock.tick() for _ in range(3)] == [(0, 0, True), (1, 0, False), (2, 0, False)]
+    other = []
+    worker = threading.Thread(target=lambda: other.extend(clock.tick() for _ in range(2)))
+    worker.start()
+    worker.join(30)
+    assert other == [(0, 0, True), (1, 0, False)]  # another thread counts its own calls
+    assert clock.tick() == (3, 0, False)
+    clock.reset()  # a new generation, in every thread
+    assert clock.tick() == (0, 0, True)
+    assert pickle.loads(pickle.dumps(clock)).tick() == (0, 0, True)
+
+
+def positions(pipe, **call):
+    """``(step, site, new generation)`` of every UNet call of a pipeline call, from the UNet's step clock."""
+    seen = []
+    clock = model_calls(pipe.unet)
+    handle = pipe.unet.conv_in.register_forward_pre_hook(lambda layer, args: seen.append(clock.position))
+    try:
+        run(pipe, **call)
+    finally:
+        handle.remove()
+    return seen
+
+
+def clocked_pipeline(scheduler=None, **options):
+    pipe = tiny_sd_pipeline()
+    if scheduler is not None:
+        pipe.scheduler = scheduler.from_config(pipe.scheduler.config, **options)
+    return pipe.apply_tome(ratio=0.5, recompute_every=2)  # (plan caching runs the clock)
+
+
+def test_a_pipeline_counts_its_own_denoising_steps_and_each_call_starts_at_step_0():
+    pipe = clocked_pipeline()
+    assert positions(pipe, steps=3) == [(0, 0, True), (1, 0, False), (2, 0, False)]
+    assert positions(pipe, steps=2) == [(0, 0, True), (1, 0, False)]  # a new generation, whatever the timesteps
+
+
+@pytest.mark.parametrize("scheduler", [ppdiffusers.HeunDiscreteScheduler, ppdiffusers.KDPM2DiscreteScheduler])
+def test_two_model_calls_per_step_are_two_call_sites_of_one_step(scheduler):
+    """Heun and KDPM2 call the UNet twice per denoising step (the last step once): the pipeline advances its bar
+    every second call, so the calls of a step are its sites 0 and 1."""
+    pipe = clocked_pipeline(scheduler)
+    assert positions(pipe, steps=3) == [(0, 0, True), (0, 1, False), (1, 0, False), (1, 1, False), (2, 0, False)]
+
+
+def test_pndms_warm_up_call_is_a_second_call_site_of_step_0():
+    pipe = clocked_pipeline(ppdiffusers.PNDMScheduler, skip_prk_steps=True)  # SD's PLMS: the first step runs twice
+    assert positions(pipe, steps=3) == [(0, 0, True), (0, 1, False), (1, 0, False), (2, 0, False)]
+
+
+def test_a_hand_written_denoising_loop_with_the_pipelines_progress_bar_counts_its_steps_and_sites():
+    """Both forms of the bar (``total=`` with ``update()``, and an iterable) count steps; each model call of a step
+    (split guidance, panorama views) is a call site of its own; leaving the loop ends the generation."""
+    pipe = clocked_pipeline()
+    unet, clock = pipe.unet, model_calls(pipe.unet)
+    sample, t, context = unet_inputs(unet, batch=1)
+    seen = []
 
     def call():
-        state.begin_call(paddle.zeros([1, 4, 8, 8]), None)
-        inside.set()
-        leave.wait(10)
-        state.end_call()
+        with paddle.no_grad():
+            unet(sample, t, context)
+        seen.append(clock.position)
 
-    worker = threading.Thread(target=call)
-    worker.start()
-    assert inside.wait(10)
-    assert state.busy_elsewhere() == 1 and state.latent_hw is None  # this thread has no call in flight
-    leave.set()
-    worker.join(10)
-    assert state.busy_elsewhere() == 0
-
-
-def test_reset_clears_counters_and_the_history_at_the_next_call():
-    state = ToMeState(ToMeConfig(recompute_every=3))
-    for t in (900, 800):
-        state.begin_call(paddle.zeros([1, 4, 8, 8]), paddle.to_tensor(t))
-        state.end_call()
-    assert state.calls == 2 and state.history.step == 1
-    state.reset()
-    assert state.calls == 0
-    state.begin_call(paddle.zeros([1, 4, 8, 8]), paddle.to_tensor(700))  # less noisy, yet step 0 after the reset
-    assert state.history.step == 0
-    state.end_call()
+    with pipe.progress_bar(total=2) as bar:
+        for _ in range(2):
+            call()
+            call()
+            bar.update()
+    for _ in pipe.progress_bar([999, 500]):
+        call()
+        call()
+        call()
+    assert seen == [(0, 0, True), (0, 1, False), (1, 0, False), (1, 1, False),
+                    (0, 0, True), (0, 1, False), (0, 2, False), (1, 0, False), (1, 1, False), (1, 2, False)]
+    assert generation.current() is None
+    call()  # outside the loop: a step of its own
+    call()
+    assert seen[-2][:2] == (0, 0) and seen[-1][:2] == (1, 0)
 
 
-def test_copies_and_pickles_keep_settings_and_counters_but_no_call_in_flight():
-    state = ToMeState(ToMeConfig(ratio=0.3), train_timesteps=500, num_blocks=4)
-    state.begin_call(paddle.zeros([1, 4, 8, 8]), paddle.to_tensor(100))
-    state.merges = 7
-    for twin in (copy.deepcopy(state), pickle.loads(pickle.dumps(state))):
-        assert twin is not state and twin.config == state.config
-        assert (twin.train_timesteps, twin.num_blocks, twin.calls, twin.merges) == (500, 4, 1, 7)
-        assert twin.latent_hw is None and twin.busy_elsewhere() == 0 and twin.in_flight == {}
-    state.end_call()
+def test_the_progress_bar_is_wrapped_only_while_a_technique_needs_the_clock():
+    from ppdiffusers import DiffusionPipeline
+
+    before = generation.holders()
+    unet = tiny_unet()
+    ppdiffusers_tome.apply_tome(unet)  # no plan caching: no clock, nothing wrapped for it
+    assert generation.holders() == before and model_calls(unet).clock is None
+    ppdiffusers_tome.apply_tome(unet, recompute_every=3)
+    assert generation.holders() == before + 1 and model_calls(unet).clock is not None
+    assert DiffusionPipeline.__dict__["progress_bar"] is generation._progress_bar
+    ppdiffusers_tome.remove_tome(unet)
+    assert generation.holders() == before and model_calls(unet) is None
+    if before == 0:
+        assert DiffusionPipeline.__dict__["progress_bar"] is not generation._progress_bar
+
+
+def test_reset_tome_starts_a_new_generation_and_clears_counters_and_plans():
+    unet = tiny_unet()
+    sample, t, context = unet_inputs(unet, batch=1)
+    ppdiffusers_tome.apply_tome(unet, recompute_every=3)
+    patch, clock = get_patch(unet), model_calls(unet)
+    with paddle.no_grad():
+        for _ in range(2):
+            unet(sample, t, context)
+    assert clock.position[:2] == (1, 0) and patch.counters.calls == 2 and patch.counters.plans_reused == 3
+    ppdiffusers_tome.reset_tome(unet)
+    assert patch.counters.as_dict() == Counters().as_dict()
+    with paddle.no_grad():
+        unet(sample, t, context)
+    assert clock.position == (0, 0, True) and patch.counters.plans_computed == 3 and patch.counters.plans_reused == 0
+    assert patch.counters.calls == 1

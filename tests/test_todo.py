@@ -8,6 +8,7 @@ import pytest
 import ppdiffusers_tome
 from ppdiffusers_tome.config import ToMeConfig
 from ppdiffusers_tome.patch import ModelPatch, find_blocks
+from ppdiffusers_tome.registry import hooks_of
 from ppdiffusers_tome.testing import tiny_unet
 from tests.unet_calls import hook_counts, unet_inputs
 
@@ -36,8 +37,8 @@ def test_todo_downsamples_only_the_keys_and_values_of_self_attention(factor, mod
         expected = expected_todo_block_output(block, x, context, 16, 16, factor, mode).numpy()
         vanilla = block(x, encoder_hidden_states=context).numpy()
         patch = ModelPatch.install(unet, ToMeConfig(method="todo", downsample_factor=factor, downsample_mode=mode))
-        patch.state.begin_call(paddle.zeros([2, 4, 16, 16]), None)
-        got = block(x, encoder_hidden_states=context).numpy()
+        with patch.in_call(paddle.zeros([2, 4, 16, 16])):  # the block runs as inside a call on a 16 x 16 latent
+            got = block(x, encoder_hidden_states=context).numpy()
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
     assert np.abs(got - vanilla).max() > 1e-3
     patch.remove()
@@ -48,19 +49,22 @@ def test_todo_hooks_only_self_attention_inputs_and_never_matches():
     before = hook_counts(unet)
     ppdiffusers_tome.apply_tome(unet, method="todo")
     block = find_blocks(unet)[0][1]
-    assert (len(block.attn1._forward_pre_hooks), len(block.attn1._forward_post_hooks)) == (1, 0)
-    assert not block.attn2._forward_pre_hooks and not block.ff._forward_pre_hooks
-    keys = []
-    handle = block.attn1.register_forward_pre_hook(
-        lambda layer, args, kwargs: keys.append(kwargs["encoder_hidden_states"].shape[1]), with_kwargs=True
-    )
+    assert hooks_of(block.attn1).names() == ["tome"]  # self-attention only
+    assert hooks_of(block.attn2) is None and hooks_of(block.ff) is None
+    assert not any(m._forward_pre_hooks or m._forward_post_hooks for m in unet.sublayers(include_self=True))
+    queries, keys = [], []  # the token counts self-attention's projections see, inside attn1
+    handles = [block.attn1.to_q.register_forward_pre_hook(lambda layer, args: queries.append(args[0].shape[1])),
+               block.attn1.to_k.register_forward_pre_hook(lambda layer, args: keys.append(args[0].shape[1]))]
     with paddle.no_grad():
         unet(*unet_inputs(unet))
-    handle.remove()
+    for handle in handles:
+        handle.remove()
     stats = ppdiffusers_tome.tome_stats(unet)["UNet2DConditionModel"]
-    assert keys == [64] and stats["merges"] == 3 and stats["plans_computed"] == 0  # 256 queries, 64 keys
+    assert (queries, keys) == ([256], [64])  # every query kept, keys (and values) from 64 downsampled tokens
+    assert stats["merges"] == 3 and stats["plans_computed"] == 0
     ppdiffusers_tome.remove_tome(unet)
     assert hook_counts(unet) == before
+    assert all(hooks_of(layer) is None for layer in unet.sublayers(include_self=True))
 
 
 def test_todo_composes_with_the_efficient_attention_processor(monkeypatch):

@@ -7,6 +7,7 @@ import numpy as np
 import paddle
 
 from ppdiffusers_tome.patch import find_blocks, get_patch
+from ppdiffusers_tome.registry import hooks_of
 
 
 def unet_inputs(unet, batch=2, hw=(16, 16), seed=0):
@@ -17,7 +18,22 @@ def unet_inputs(unet, batch=2, hw=(16, 16), seed=0):
 
 
 def hook_counts(layer):
-    return [(len(m._forward_pre_hooks), len(m._forward_post_hooks)) for m in layer.sublayers(include_self=True)]
+    """What is attached to every sub-layer of ``layer`` (``include_self``), in order: its class (a hooked layer has a
+    class of its own), the names of its hooks in this package's registry (outermost first; ``()`` without a
+    registry), and how many Paddle forward pre- and post-hooks it has (ppdiffusers' built-in port and a user's own
+    hooks live there; this package adds none). Equal before ``apply_*`` and after ``remove_*``: the model is exactly
+    as it was."""
+    rows = []
+    for m in layer.sublayers(include_self=True):
+        registry = hooks_of(m)
+        names = tuple(registry.names()) if registry is not None else ()
+        rows.append((type(m), names, len(m._forward_pre_hooks), len(m._forward_post_hooks)))
+    return rows
+
+
+def hooks_attached(layer):
+    """How many hooks are attached to ``layer`` and its sub-layers: registry hooks plus Paddle forward hooks."""
+    return sum(len(names) + pre + post for _, names, pre, post in hook_counts(layer))
 
 
 def expected_block_output(block, x, context, plan, merge_attn=True, merge_cross=False, merge_mlp=False):
@@ -62,16 +78,24 @@ def forward(unet, sample, timestep, context):
 
 
 def hook_tables(model):
-    """Every forward hook of every sub-layer: (layer index, table, hook id, hook object), in order."""
+    """Every hook of every sub-layer, in order: ``(layer index, class, "registry", hook name, hook object)`` for this
+    package's registry (outermost first) and ``(layer index, class, table, hook id, hook object)`` for Paddle's
+    forward hook tables. Equal (hook objects compared by identity) when nothing was taken off, added or swapped."""
     rows = []
     for i, layer in enumerate(model.sublayers(include_self=True)):
+        registry = hooks_of(layer)
+        if registry is not None:
+            rows.extend((i, type(layer), "registry", name, registry.get(name)) for name in registry.names())
         for table in ("_forward_pre_hooks", "_forward_post_hooks"):
-            rows.extend((i, table, hook_id, hook) for hook_id, hook in getattr(layer, table).items())
+            rows.extend((i, type(layer), table, hook_id, hook) for hook_id, hook in getattr(layer, table).items())
     return rows
 
 
 def hook_shape(model):
-    return [(i, table) for i, table, _, _ in hook_tables(model)]
+    """:func:`hook_tables` without the objects: which layer (and its class) holds which kind of hook, to compare two
+    models (a copy and its original, a patched model and a fresh one patched the same way)."""
+    return [(i, cls, where, key if where == "registry" else None, type(hook).__name__)
+            for i, cls, where, key, hook in hook_tables(model)]
 
 
 def sdxl_call(unet=None, seed=5):
