@@ -11,10 +11,10 @@ widths, random weights; UNet batch 2, one image with guidance) at ``--resolution
 
 For each configuration, a full call and a cached call are counted, and the cost of ``interval`` steps
 (one full + ``interval - 1`` cached) is compared with vanilla's. FLOPs are counted at ``--resolutions`` and computed
-for ``--extrapolate`` sizes from the first two (convolutions and linear layers grow as the latent side squared,
-self-attention as its fourth power). These are estimates of a GPU's work, not timings.
+for ``--extrapolate`` sizes from the first three (a constant part, a part that grows as the latent side squared and
+self-attention, which grows as its fourth power). These are estimates of a GPU's work, not timings.
 
-    bash run.sh python benchmarks/cache_costs.py --preset sd15 --resolutions 128 256 --extrapolate 512 1024 \
+    bash run.sh python benchmarks/cache_costs.py --preset sd15 --resolutions 64 128 256 --extrapolate 512 1024 \
         --output outputs/cache_costs_sd15.json
 """
 
@@ -129,13 +129,16 @@ def inputs_at(unet, resolution):
 
 
 def extrapolate(flops_by_side, side):
-    """FLOPs at latent ``side`` from counts at two smaller sides: convolutions, linear layers and cross-attention
-    grow as ``side**2``, self-attention as ``side**4`` (its tokens squared), so two counts give both terms exactly
-    (up to the rounding of merged-token counts)."""
-    (s1, f1), (s2, f2) = sorted(flops_by_side.items())[:2]
-    quartic = (f2 / s2**2 - f1 / s1**2) / (s2**2 - s1**2)
-    quadratic = f1 / s1**2 - quartic * s1**2
-    return quadratic * side**2 + quartic * side**4
+    """FLOPs at latent ``side`` from counts at three smaller sides. A UNet call's FLOPs are ``a + b * side**2 +
+    c * side**4``: the text and time embeddings and the cross-attention keys and values of the text do not grow with
+    the image, convolutions, linear layers on image tokens and cross-attention grow as ``side**2``, self-attention as
+    its fourth power; three counts give the three terms exactly (up to the rounding of merged-token counts)."""
+    sides = sorted(flops_by_side)[:3]
+    if len(sides) < 3:
+        raise ValueError(f"extrapolating needs counts at three sizes; got {sides}")
+    squares = np.array([float(s) ** 2 for s in sides])
+    coefficients = np.linalg.solve(np.vander(squares, 3, increasing=True), [float(flops_by_side[s]) for s in sides])
+    return float(coefficients @ np.array([1.0, side**2, side**4]))
 
 
 def per_steps(full, cached, interval, steps):
@@ -146,10 +149,10 @@ def per_steps(full, cached, interval, steps):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="sd15", help="model layout (random weights)")
-    parser.add_argument("--resolutions", type=int, nargs="+", default=[128, 256],
+    parser.add_argument("--resolutions", type=int, nargs="+", default=[64, 128, 256],
                         help="sizes counted (FLOPs at every size, eager ops at the first)")
     parser.add_argument("--extrapolate", type=int, nargs="*", default=[512, 1024],
-                        help="sizes whose FLOPs are computed from the first two counted sizes")
+                        help="sizes whose FLOPs are computed from the first three counted sizes")
     parser.add_argument("--interval", type=int, default=3, help="steps per full call in the comparison")
     parser.add_argument("--output", default=os.path.join("outputs", "cache_costs.json"))
     args = parser.parse_args(argv)

@@ -18,6 +18,7 @@ from .ops.partition import max_ratio
 __all__ = [
     "ToMeConfig",
     "check_ratio",
+    "is_int",
     "ALLOWED_MAX_DOWNSAMPLE",
     "METHODS",
     "MAX_STRIDE",
@@ -71,8 +72,14 @@ def ratio_at(ratio: RatioSpec, progress: float) -> float:
     return ratio
 
 
-def _is_int(value: Any) -> bool:
-    """A Python or numpy integer, not a bool."""
+def is_int(value: Any) -> bool:
+    """A Python or numpy integer, not a bool: what every integer option of the package accepts (ToMe's and the step
+    cache's alike).
+
+    >>> import numpy as np
+    >>> is_int(3), is_int(np.int64(3)), is_int(True), is_int(3.0)
+    (True, True, False, False)
+    """
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
@@ -254,7 +261,7 @@ class ToMeConfig:
         store("method", method)
         for name in ("sx", "sy"):
             value = getattr(self, name)
-            if not _is_int(value) or not 1 <= value <= MAX_STRIDE:
+            if not is_int(value) or not 1 <= value <= MAX_STRIDE:
                 raise ValueError(
                     f"{name} must be an integer >= 1 and <= {MAX_STRIDE} (one dst token per sy x sx cell of the "
                     f"token grid); got {_shown(value)}"
@@ -264,7 +271,7 @@ class ToMeConfig:
         max_downsample = self.max_downsample
         if _as_choice(max_downsample, ("auto",)) is not None:
             store("max_downsample", "auto")
-        elif _is_int(max_downsample) and max_downsample in ALLOWED_MAX_DOWNSAMPLE:
+        elif is_int(max_downsample) and max_downsample in ALLOWED_MAX_DOWNSAMPLE:
             store("max_downsample", int(max_downsample))
         else:
             raise ValueError(
@@ -275,14 +282,14 @@ class ToMeConfig:
             if flag is None:
                 raise ValueError(f"{name} must be True or False; got {_shown(getattr(self, name))}")
             store(name, flag)
-        if not _is_int(self.seed) or self.seed < 0:
+        if not is_int(self.seed) or self.seed < 0:
             raise ValueError(f"seed must be an integer >= 0; got {_shown(self.seed)}")
         store("seed", int(self.seed))
         mode = _as_choice(self.downsample_mode, DOWNSAMPLE_MODES)
         if mode is None:
             raise ValueError(f"downsample_mode must be one of {DOWNSAMPLE_MODES}; got {_shown(self.downsample_mode)}")
         store("downsample_mode", mode)
-        if not _is_int(self.downsample_factor) or self.downsample_factor not in DOWNSAMPLE_FACTORS:
+        if not is_int(self.downsample_factor) or self.downsample_factor not in DOWNSAMPLE_FACTORS:
             raise ValueError(f"downsample_factor must be an integer in [2, 8]; got {_shown(self.downsample_factor)}")
         store("downsample_factor", int(self.downsample_factor))
         if self.method == "todo" and (self.merge_crossattn or self.merge_mlp or not self.merge_attn):
@@ -296,7 +303,7 @@ class ToMeConfig:
     def _check_local_options(self, store: Callable[[str, Any], None]) -> None:
         window, smallest = self.match_window, max(self.sx, self.sy)
         if window is not None:
-            if not _is_int(window) or not max(2, smallest) <= window <= MAX_WINDOW:
+            if not is_int(window) or not max(2, smallest) <= window <= MAX_WINDOW:
                 raise ValueError(
                     f"match_window must be None (match across the whole grid, as tomesd) or an integer in "
                     f"[{max(2, smallest)}, {MAX_WINDOW}] (tokens per side of a matching window, at least "
@@ -316,7 +323,7 @@ class ToMeConfig:
         if share is None:
             raise ValueError(f"share_plan must be one of {SHARE_PLAN}; got {_shown(self.share_plan)}")
         store("share_plan", share)
-        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+        if not is_int(self.min_tokens) or self.min_tokens < 0:
             raise ValueError(
                 f"min_tokens must be an integer >= 0 (merge only where batch * tokens reaches it); got {_shown(self.min_tokens)}"
             )
@@ -326,7 +333,7 @@ class ToMeConfig:
             raise ValueError(f"policy must be one of {POLICIES}; got {_shown(self.policy)}")
         store("policy", policy)
         work = self.min_work
-        if work is not None and (not _is_int(work) or work < 0):
+        if work is not None and (not is_int(work) or work < 0):
             raise ValueError(
                 "min_work must be None (the policy's default: 2**26 or 2**28 on GPU kernels, 0 on CPU kernels) or an integer "
                 f">= 0 (merge only in blocks where batch * tokens**2 reaches it); got {_shown(work)}"
@@ -365,13 +372,13 @@ class ToMeConfig:
 
     @staticmethod
     def _checked_recompute(value: Any) -> Union[int, Tuple[int, ...]]:
-        if _is_int(value):
+        if is_int(value):
             if value < 1:
                 raise ValueError(
                     f"recompute_every must be an integer >= 1 or a list of step indices; got {_shown(value)}"
                 )
             return int(value)
-        if isinstance(value, (list, tuple, range)) and len(value) > 0 and all(_is_int(v) and v >= 0 for v in value):
+        if isinstance(value, (list, tuple, range)) and len(value) > 0 and all(is_int(v) and v >= 0 for v in value):
             return tuple(sorted({int(v) for v in value}))
         raise ValueError(
             f"recompute_every must be an integer >= 1 or a non-empty list of step indices >= 0; got {_shown(value)}"

@@ -374,7 +374,7 @@ class ModelPatch:
             return None
         if not plan.is_identity:
             call.merged_blocks += 1
-        if self.recompute.possible:
+        if self.recompute.possible and not hidden.stop_gradient:  # (only a graph for a backward can recompute)
             self.recompute.keep(index, hidden, plan)
         return plan
 

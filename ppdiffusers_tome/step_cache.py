@@ -38,7 +38,8 @@ from .cache_layout import Layout, layout_of
 from .calls import drop_calls_if_alone, model_calls, refuse_if_running
 from .ops.runtime import converting
 from .registry import LOCK, Hook, StaticGraphError, add_hook, hooks_of, remove_hook
-from .targets import is_int, resolve
+from .config import is_int
+from .targets import resolve
 
 __all__ = ["CacheConfig", "StepCache", "StepCacheError", "apply_cache", "cache_status", "get_cache", "remove_cache",
            "reset_cache"]

@@ -8,28 +8,19 @@ technique then keeps the models it can act on (:func:`resolve`'s ``accepts``).
 
 from __future__ import annotations
 
-import numbers
 from typing import Any, Callable, List, Optional, Tuple
 
 import paddle
 
-__all__ = ["SKIPPED_COMPONENTS", "Targets", "is_int", "is_multi_controlnet", "resolve"]
+from .config import is_int
+
+__all__ = ["SKIPPED_COMPONENTS", "Targets", "is_multi_controlnet", "pipeline_candidates", "resolve"]
 
 # components of a pipeline that no technique acts on, whatever they contain
 SKIPPED_COMPONENTS = ("vae", "vqvae", "text_encoder", "tokenizer", "safety_checker", "feature_extractor",
                       "image_encoder")
 
 Targets = List[Tuple[str, paddle.nn.Layer]]
-
-
-def is_int(value: Any) -> bool:
-    """A Python or numpy integer, not a bool: what every integer option of the package accepts.
-
-    >>> import numpy as np
-    >>> is_int(3), is_int(np.int64(3)), is_int(True), is_int(3.0)
-    (True, True, False, False)
-    """
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def is_multi_controlnet(obj: Any) -> bool:

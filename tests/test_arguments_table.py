@@ -148,8 +148,10 @@ def test_the_arguments_table_lists_exactly_the_fields_of_tomeconfig_with_their_d
 
 
 def test_apply_tome_takes_the_same_arguments_with_the_same_defaults():
+    """``apply_tome(obj, config=None, *, <every field of ToMeConfig with its default>)``, as help() shows it."""
     parameters = inspect.signature(apply_tome).parameters
-    assert {name: parameters[name].default for name in list(parameters)[1:]} == FIELDS
+    assert list(parameters)[:2] == ["obj", "config"] and parameters["config"].default is None
+    assert {name: parameters[name].default for name in list(parameters)[2:]} == FIELDS
 
 
 def test_both_readmes_have_the_same_arguments_table():

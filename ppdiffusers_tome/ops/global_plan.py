@@ -104,7 +104,7 @@ class MergePlan:
         m = n - r
         self.merged_idx = order[:, :r]
         self.merged_dst = paddle.take_along_axis(best_dst_slot, self.merged_idx, axis=1, broadcast=False)
-        b = _batch_tables(self.batch_size, n, m, kept, order)
+        b = batch_tables("batch", self.batch_size, order, _build_batch_tables, n, m, kept)
         # input rows in sorted order per item: [merged src | kept src | dst]; the merged rows are [kept src | dst], so
         # a merge starts from the rows after the first r and adds the first r onto their dst's merged row
         sorted_rows = paddle.take_along_axis(self.partition + b["off_n"], order, axis=1, broadcast=False)
@@ -283,15 +283,10 @@ class GroupMergePlan(MergePlan):
 
 
 # per-batch tables ----------------------------------------------------------------------------------------------------
-def _batch_tables(batch: int, num_tokens: int, merged_tokens: int, kept: int, like: paddle.Tensor) -> Dict[str, Any]:
-    """Row tables a plan of ``batch`` items needs: ``off_n`` (first row of each item in the input), ``off_dst``
-    (row of each item's first dst in the merged output), ``rows_m`` (``[B, M]``: every merged row), and constant
-    columns for the scatter and the group counts. Cached per batch size in eager mode; built from the tensor's
-    runtime shape while tracing (a dynamic batch is ``-1`` there)."""
-    return batch_tables("batch", batch, like, _build_batch_tables, num_tokens, merged_tokens, kept)
-
-
 def _build_batch_tables(count: Any, num_tokens: int, merged_tokens: int, kept: int) -> Dict[str, Any]:
+    """Row tables a plan of ``count`` items needs: ``off_n`` (first row of each item in the input), ``off_dst``
+    (row of each item's first dst in the merged output), ``rows_m`` (``[B, M]``: every merged row), and constant
+    columns for the scatter and the group counts (see :func:`~ppdiffusers_tome.ops.cache.batch_tables`)."""
     items = paddle.arange(count, dtype="int64").unsqueeze(-1)
     return {
         "off_n": items * num_tokens,

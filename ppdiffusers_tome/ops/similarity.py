@@ -119,17 +119,12 @@ def _best_dst_cpu(metric: paddle.Tensor, partition: paddle.Tensor, num_src: int
     del scaled
     scores = paddle.matmul(src, dst, transpose_y=True)  # [B, Ns, Nd]: cosine similarity times |src|
     best = scores.argmax(axis=-1)
-    rows = (best + _score_offsets(-1 if tracing() else batch, num_src, num_dst, metric)).reshape([-1])
+    # each score row's offset in the flattened [B, Ns, Nd] similarity, to read every row's best score with one gather
+    offsets = batch_tables("score_rows", -1 if tracing() else batch, metric, _build_score_offsets, num_src, num_dst)
+    rows = (best + offsets).reshape([-1])
     score = paddle.gather(scores.reshape([-1]), rows).reshape([-1, num_src])
     cosine = score * scale * paddle.rsqrt(src_norm2.reshape([-1, num_src]))
     return clear_non_finite(cosine), best
-
-
-def _score_offsets(batch: int, num_src: int, num_dst: int, like: paddle.Tensor) -> paddle.Tensor:
-    """``[B, Ns]`` offset of each score row in the flattened ``[B, Ns, Nd]`` similarity (for reading each row's best
-    score with one gather instead of a second pass over the matrix); from the runtime shape of ``like`` while
-    tracing a dynamic batch (``batch < 0``)."""
-    return batch_tables("score_rows", batch, like, _build_score_offsets, num_src, num_dst)
 
 
 def _build_score_offsets(count: Any, num_src: int, num_dst: int) -> paddle.Tensor:

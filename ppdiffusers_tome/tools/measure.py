@@ -494,7 +494,10 @@ class MergingBlocks:
                 self._handles.append(block.register_forward_pre_hook(self._block_pre(key), prepend=True))
                 self._handles.append(block.register_forward_post_hook(self._block_post(key)))
                 attn1, attn2 = getattr(block, "attn1", None), getattr(block, "attn2", None)
-                watched = [getattr(attn1, "to_q", None), getattr(attn2, "to_q", None), getattr(block, "ff", None)]
+                # (the feed-forward's first layer, not the feed-forward itself: a technique's hook on a layer runs inside
+                # its forward, after the layer's own pre-hooks)
+                net = getattr(getattr(block, "ff", None), "net", None)
+                watched = [getattr(attn1, "to_q", None), getattr(attn2, "to_q", None), net[0] if net else None]
                 if attn1 is not None and not getattr(attn1, "is_cross_attention", False):
                     watched.append(getattr(attn1, "to_k", None))  # ToDo shortens self-attention's keys
                 for layer in watched:
