@@ -27,7 +27,7 @@ from .checkpoint import RecomputePlans
 from .config import ToMeConfig, check_ratio, ratio_at
 from .decision import OFF, POOLED, SKIPPED, BlockDecision, Settings, block_levels, decide, grid_of
 from .hooks import TENSOR_TYPES, BlockHook, ModelHook, SublayerHook
-from .ops.runtime import converting, device_kind
+from .ops.runtime import converting, device_kind, tracing
 from .planner import Planner
 from .registry import LOCK, add_hook, hooks_of, remove_hook
 from .state import CallRecord, Counters, ToMeState, ToMeStaticGraphError, progress_of, refuse_conversion
@@ -330,6 +330,8 @@ class ModelPatch:
     def end_call(self, record: CallRecord) -> None:
         """A call has returned: warn (once) when it merged nothing although the settings ask for merging."""
         self.local.last = record
+        if tracing():  # (a traced call's record describes the program being built, not a call that ran)
+            return
         if not record.merged_blocks and not self.counters.warned_no_merge:
             self._warn_if_nothing_merged(record)
 
