@@ -52,3 +52,10 @@ def kernels():
                 stack.enter_context(gpu_kernels())
 
         yield use
+
+
+def pytest_configure(config):
+    """A line per test file as it finishes (file, counts, seconds, time elapsed): see tests/progress_plugin.py."""
+    from tests.progress_plugin import register
+
+    register(config)

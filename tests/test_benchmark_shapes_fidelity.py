@@ -17,7 +17,9 @@ def bench():
 @pytest.fixture(scope="module")
 def short_run(bench, tmp_path_factory):
     out = tmp_path_factory.mktemp("fidelity")
-    args = ["--seeds", "2", "--prompts", "3", "--reference", "6", "--steps", "2", "--batch", "2", "--grid", "2",
+    # two seeds (a spread), two captions in one pipeline call per configuration and seed, two steps (the cached
+    # configurations reuse step 0 in step 1)
+    args = ["--seeds", "2", "--prompts", "2", "--reference", "6", "--steps", "2", "--batch", "2", "--grid", "2",
             "--threads", "1", "--output", str(out)]
     assert bench.main(args) == 0
     with open(out / "results.json", encoding="utf-8") as f:
@@ -39,7 +41,7 @@ def test_short_run_records_every_configuration_and_seed(short_run, bench):
             assert set(run["accuracy"]) == {"shape", "colour", "position", "background"}
             assert 0.0 <= run["accuracy_mean"] <= 1.0 and run["feature_distance"] >= 0.0
             assert ("psnr_db" in run) == (name != "vanilla")  # vanilla's own PSNR is infinite: not written
-    assert len(data["prompts"]) == 3 and data["settings"]["steps"] == 2
+    assert len(data["prompts"]) == 2 and data["settings"]["steps"] == 2
     assert (out / "grid.png").is_file() and (out / "table.md").is_file()
     # the merging configurations differ from vanilla, and the summary is the mean of the seeds
     assert all(run["psnr_db"] < 100 for run in data["per_seed"]["ToMe 0.5"])
@@ -53,7 +55,7 @@ def test_real_images_row_scores_the_prompts_own_images(short_run):
     from research.shapes.classifier import accuracy
 
     _, data = short_run
-    prompts, labels, images = scoring.held_out_prompts(3)
+    prompts, labels, images = scoring.held_out_prompts(2)
     assert data["prompts"] == prompts
     expected = accuracy(scoring.load_trained_classifier(), images, scoring.label_targets(labels))
     assert data["real"]["accuracy"] == pytest.approx(expected)

@@ -61,11 +61,12 @@ def test_calibrate_times_vanilla_and_each_candidate_at_every_size_and_finds_the_
         sizes.append(2 * images * finest_tokens(pipe, size) ** 2)
         return forward
 
-    works = {(size, images): 2 * images * finest_tokens(pipe, size) ** 2 for size in (64, 128) for images in (1, 2)}
-    gains_from = works[128, 1]  # the policy's plan gains from 128 px with one image on
+    # (the stand-in timer decides what gains, so the forwards can be small: 256 and 1024 tokens)
+    works = {(size, images): 2 * images * finest_tokens(pipe, size) ** 2 for size in (32, 64) for images in (1, 2)}
+    gains_from = works[64, 1]  # the policy's plan gains from 64 px with one image on
     timer, seen = stand_in_timer(pipe, sizes, gains_from)
-    points = calibrate(pipe, [64, 128], [1, 2], forward_for, timer, lambda size: finest_tokens(pipe, size))
-    assert [(p.resolution, p.images, p.unet_batch) for p in points] == [(64, 1, 2), (64, 2, 4), (128, 1, 2), (128, 2, 4)]
+    points = calibrate(pipe, [32, 64], [1, 2], forward_for, timer, lambda size: finest_tokens(pipe, size))
+    assert [(p.resolution, p.images, p.unet_batch) for p in points] == [(32, 1, 2), (32, 2, 4), (64, 1, 2), (64, 2, 4)]
     assert [p.work for p in points] == [works[p.resolution, p.images] for p in points]
     # per size: vanilla, then every candidate with its settings, nothing left applied afterwards
     expected_settings = [None, ("auto", 0), ("tomesd", None)]

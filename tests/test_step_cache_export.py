@@ -18,6 +18,15 @@ from ppdiffusers_tome.tools.measure import TransferCounter
 STEPS = 5  # interval 3: full, cached, cached, full, cached
 
 
+def step_unet():
+    """A two-level UNet of 32 channels: level 0 (a cross-attention down block and up block) is the shallow branch a
+    cached step runs; level 1 (plain down and up blocks), the mid block (with a transformer) and the downsampler of
+    level 0 are the deep part it skips. Converting costs about the layers traced (SOT mode most), here half what the
+    three-level tiny preset costs; the properties checked do not depend on the depth."""
+    return tiny_unet(block_out_channels=(32, 32), down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+                     up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"))
+
+
 def step_inputs(batch, seed=0, context_dim=32, added=False):
     """The UNet inputs of STEPS denoising steps: latents that move from step to step, falling timesteps."""
     rng = np.random.default_rng(seed)
@@ -54,37 +63,59 @@ def convert(programs, steps, full_graph, dynamic_batch=False):
     return full, cached
 
 
+Export = collections.namedtuple("Export", "unet programs steps vanilla eager scheduled folder")
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory):
+    """``export(full_graph, tome)``: :func:`step_unet` (with ToMe if ``tome``) cached with interval 3, its vanilla
+    and eager cached outputs on the STEPS steps of batch 2, its two programs converted for batch 2 and run on the
+    fixed schedule, then saved. Each configuration is converted and saved once for the module, by the first test
+    that asks for it; the tests only read what it holds."""
+    built = {}
+
+    def export(full_graph, tome):
+        if (full_graph, tome) not in built:
+            unet = step_unet()
+            unet.eval()
+            steps = step_inputs(2)
+            with paddle.no_grad():
+                vanilla = [unet(*args).sample.numpy() for args in steps]
+            if tome:
+                unet.apply_tome(ratio=0.5, use_rand=False)
+            unet.apply_cache(interval=3)
+            eager = eager_outputs(unet, steps)
+            programs = StepPrograms(unet)
+            full, cached = convert(programs, steps, full_graph)
+            scheduled = scheduled_outputs(full, cached, programs.config, steps)
+            folder = tmp_path_factory.mktemp("programs")
+            paddle.jit.save(full, str(folder / "full"))
+            paddle.jit.save(cached, str(folder / "cached"))
+            built[full_graph, tome] = Export(unet, programs, steps, vanilla, eager, scheduled, folder)
+        return built[full_graph, tome]
+
+    return export
+
+
+def load_programs(folder):
+    return paddle.jit.load(str(folder / "full")), paddle.jit.load(str(folder / "cached"))
+
+
 @pytest.mark.parametrize("full_graph, tome", [(True, False), (False, False), (True, True)],
                          ids=["ast", "sot", "ast-tome"])
-def test_the_two_programs_convert_save_load_and_give_the_eager_cache_outputs(tmp_path, full_graph, tome):
-    unet = tiny_unet()
-    unet.eval()
-    steps = step_inputs(2)
-    with paddle.no_grad():
-        vanilla = [unet(*args).sample.numpy() for args in steps]
-    if tome:
-        unet.apply_tome(ratio=0.5, use_rand=False)
-    unet.apply_cache(interval=3)
-    eager = eager_outputs(unet, steps)
-    assert np.abs(eager[1] - vanilla[1]).max() > 1e-3  # step 1 is cached: it differs from vanilla
-    programs = StepPrograms(unet)
-    full, cached = convert(programs, steps, full_graph)
-    for got, want in zip(scheduled_outputs(full, cached, programs.config, steps), eager):
+def test_the_two_programs_convert_save_load_and_give_the_eager_cache_outputs(exports, full_graph, tome):
+    done = exports(full_graph, tome)
+    assert np.abs(done.eager[1] - done.vanilla[1]).max() > 1e-3  # step 1 is cached: it differs from vanilla
+    for got, want in zip(done.scheduled, done.eager):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-    paddle.jit.save(full, str(tmp_path / "full"))
-    paddle.jit.save(cached, str(tmp_path / "cached"))
-    loaded = paddle.jit.load(str(tmp_path / "full")), paddle.jit.load(str(tmp_path / "cached"))
-    for got, want in zip(scheduled_outputs(*loaded, programs.config, steps), eager):
+    loaded = load_programs(done.folder)
+    for got, want in zip(scheduled_outputs(*loaded, done.programs.config, done.steps), done.eager):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_the_cached_program_holds_the_shallow_branch_only(tmp_path):
-    unet = ppdiffusers_tome.apply_cache(tiny_unet(), interval=3)
-    steps = step_inputs(2)
-    programs = StepPrograms(unet)
-    full, cached = convert(programs, steps, full_graph=True)
-    paddle.jit.save(full, str(tmp_path / "full"))
-    paddle.jit.save(cached, str(tmp_path / "cached"))
+def test_the_cached_program_holds_the_shallow_branch_only(exports):
+    done = exports(full_graph=True, tome=False)  # (the programs of the "ast" case above)
+    unet = done.unet
 
     def size(params):
         return sum(int(np.prod(p.shape)) for p in params)
@@ -92,12 +123,13 @@ def test_the_cached_program_holds_the_shallow_branch_only(tmp_path):
     deep = size(p for _, block in deep_blocks(unet, 1) for p in block.parameters())
     downsampler = size(unet.down_blocks[0].downsamplers.parameters())  # kept like the deep blocks: dropped too
     assert deep > downsampler > 0
-    assert size(paddle.jit.load(str(tmp_path / "full")).parameters()) == size(unet.parameters())
-    assert size(paddle.jit.load(str(tmp_path / "cached")).parameters()) == size(unet.parameters()) - deep
+    full, cached = load_programs(done.folder)
+    assert size(full.parameters()) == size(unet.parameters())
+    assert size(cached.parameters()) == size(unet.parameters()) - deep
 
 
 def test_a_dynamic_batch_exports_once_and_runs_batches_1_and_3(tmp_path):
-    unet = ppdiffusers_tome.apply_cache(tiny_unet(), interval=3)
+    unet = ppdiffusers_tome.apply_cache(step_unet(), interval=3)
     programs = StepPrograms(unet)
     full, cached = convert(programs, step_inputs(2), full_graph=True, dynamic_batch=True)
     paddle.jit.save(full, str(tmp_path / "full"))
@@ -122,9 +154,9 @@ def test_sdxl_added_conditioning_goes_through_both_programs():
 
 
 def test_the_cache_and_its_programs_add_no_host_device_transfer_to_the_vanilla_forward():
-    """Counted per call site on STEPS steps after a warm-up step; the tiny UNet's own transformer makes transfers
-    (they are vanilla's), a cached step skips some of them, none is added."""
-    unet = tiny_unet()
+    """Counted per call site on STEPS steps after a warm-up step; the UNet's own transformers make transfers (they
+    are vanilla's), a cached step skips some of them (the mid block's), none is added."""
+    unet = step_unet()
     steps = step_inputs(2)
 
     def transfers(call):
