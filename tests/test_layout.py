@@ -37,6 +37,8 @@ HOST_ONLY = {
     ("cache_export.py", "_Step.__init__"),  # when the step programs are built
     ("joint_attention.py", "JointMathAttnProcessor.__init__"),  # at use_math_attention
     ("step_cache.py", "StepCache.status"),  # cache_status / tome_status
+    ("generation.py", "hold"),  # at apply_tome / apply_cache
+    ("generation.py", "release"),  # at remove_tome / remove_cache
 }
 
 
@@ -198,6 +200,8 @@ def tracing_rule_breaks(source: str, module: str) -> List[str]:
                 found.append(f"{module}:{sub.lineno} {name} uses ToMeConfig.{sub.attr}")
             if isinstance(sub, ast.ClassDef) or (isinstance(sub, ast.Name) and sub.id == "dataclass"):
                 found.append(f"{module}:{sub.lineno} {name} defines a class or a dataclass")
+            if isinstance(sub, ast.Global):  # converted code reads a copy of the globals taken at its conversion
+                found.append(f"{module}:{sub.lineno} {name} rebinds the global(s) {', '.join(sub.names)}")
     return found
 
 
@@ -219,9 +223,11 @@ def test_traced_code_follows_the_tracing_rules():
 
 
 def test_the_tracing_check_can_fail():
-    source = ("class A(B):\n    def f(self, x):\n        return super().f(x) * self.config.ratio_at(0.5)\n")
+    source = ("class A(B):\n    def f(self, x):\n        return super().f(x) * self.config.ratio_at(0.5)\n"
+              "def g():\n    global _on\n    _on = True\n")
     assert sorted(tracing_rule_breaks(source, "x.py")) == ["x.py:3 A.f calls super()",
-                                                           "x.py:3 A.f uses ToMeConfig.ratio_at"]
+                                                           "x.py:3 A.f uses ToMeConfig.ratio_at",
+                                                           "x.py:5 g rebinds the global(s) _on"]
 
 
 class _Base:

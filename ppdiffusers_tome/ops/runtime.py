@@ -20,8 +20,18 @@ __all__ = ["KINDS", "begin_eager", "compute_dtype", "converting", "device_kind",
 KINDS = ("cpu", "gpu")
 LOW_PRECISION = ("float16", "bfloat16")
 
-_forced: Optional[str] = None  # written only by force_kernels, under _forced_lock
-_forced_lock = threading.Lock()
+
+
+class _Forced:
+    """The kernel family :func:`force_kernels` imposes. An attribute of an object, not a module global: Paddle's AST
+    conversion runs a converted function with a *copy* of its module's globals taken when it converted it (and keeps
+    that function for the process), so a rebound global would stay frozen at its value of the first conversion."""
+
+    kind: Optional[str] = None  # written only by force_kernels, under lock
+    lock = threading.Lock()
+
+
+_FORCED = _Forced()
 
 
 @functools.lru_cache(maxsize=64)  # (a hit runs no Python frame: called several times per merging block)
@@ -106,7 +116,7 @@ def converting() -> bool:
 
 def forced_kernels() -> Optional[str]:
     """The kernel family :func:`force_kernels` currently imposes, or None (the tensors' place decides)."""
-    return _forced
+    return _FORCED.kind
 
 
 @contextlib.contextmanager
@@ -122,16 +132,15 @@ def force_kernels(kind: Optional[str]) -> Iterator[None]:
     >>> device_kind(paddle.ones([1]))
     'cpu'
     """
-    global _forced
     if kind is not None and kind not in KINDS:
         raise ValueError(f"kind must be None or one of {KINDS}; got {kind!r}")
-    with _forced_lock:
-        previous, _forced = _forced, kind
+    with _FORCED.lock:
+        previous, _FORCED.kind = _FORCED.kind, kind
     try:
         yield
     finally:
-        with _forced_lock:
-            _forced = previous
+        with _FORCED.lock:
+            _FORCED.kind = previous
 
 
 def device_kind(x: Any = None) -> str:
@@ -147,8 +156,9 @@ def device_kind(x: Any = None) -> str:
     >>> device_kind(paddle.ones([1]))
     'cpu'
     """
-    if _forced is not None:
-        return _forced
+    forced = _FORCED.kind
+    if forced is not None:
+        return forced
     place = getattr(x, "place", None)
     check = getattr(place, "is_gpu_place", None)
     if callable(check):
