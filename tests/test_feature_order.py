@@ -39,13 +39,14 @@ def test_feature_order_plan_matches_the_numpy_reference(kind, batch, h, w, windo
 
 
 @pytest.mark.parametrize("batch", [1, 2])
-def test_a_feature_plan_costs_at_most_60_ops_at_16_windows(batch):
+def test_a_feature_plan_costs_at_most_60_ops_at_16_windows_and_4_more_for_one_image(batch):
     # a grid plan is 35 ops; feature order adds the clusters (two small products, an argmax, two tiny sorts), one
-    # sort of the tokens and the two gather_nd tables of its layout
+    # sort of the tokens and the two gather_nd tables of its layout; with one image the two cluster sorts each sort a
+    # spare row along (a pad and a slice each: a GPU sort of a single row synchronises with the host)
     x = paddle.randn([batch, 64 * 64, 32])
     tables = {"grid": window_partition_table(64, 64, 16, 16, 2, 2, step_key(3), seed=0, blocks=1),
               "feature": feature_partition_table(64, 64, 16, 16, 2, 2, step_key(3), seed=0, blocks=1)}
-    for order, budget in (("grid", 36), ("feature", 60)):
+    for order, budget in (("grid", 36), ("feature", 60 if batch > 1 else 64)):
         plan = lambda: LocalMergePlan.from_matching(x, (64, 64, 16, 16, 2, 2), tables[order][0], 128,  # noqa: E731
                                                     kind="gpu", order=order)
         assert plan().windows.count == 16  # (tables and constants are built on the first call)

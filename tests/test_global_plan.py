@@ -16,6 +16,7 @@ from ppdiffusers_tome.merge import (
     find_downsample,
     grid_partition,
 )
+from ppdiffusers_tome.ops.feature_order import feature_partition_table
 from tests.cases import F32_TOL, GLOBAL_CASES, partition_of, tie_free_metric
 from tests.numpy_reference import (
     reference_merge,
@@ -241,7 +242,7 @@ def test_gpu_kernels_match_the_numpy_reference_and_the_cpu_kernels(gpu_kernels, 
 
 # "no synchronising sort" (docs/gpu.md cites this test): Paddle's GPU argsort of a
 # single row takes a Thrust path that syncs with the host, so the GPU branch never sorts fewer than two rows
-@pytest.mark.parametrize("plan_kind", ["global", "deterministic", "local"])
+@pytest.mark.parametrize("plan_kind", ["global", "deterministic", "local", "feature"])
 def test_gpu_kernels_never_sort_a_single_row(gpu_kernels, monkeypatch, plan_kind):
     rows = []
     original = paddle.argsort
@@ -255,6 +256,9 @@ def test_gpu_kernels_never_sort_a_single_row(gpu_kernels, monkeypatch, plan_kind
     if plan_kind == "local":
         table = merge_module.window_partition_table(8, 8, 8, 8, 2, 2, merge_module.step_key(500), seed=0, blocks=1)  # one window: one row
         plan = merge_module.LocalMergePlan.from_matching(metric, (8, 8, 8, 8, 2, 2), table[0], 8)
+    elif plan_kind == "feature":  # (it also ranks the clusters of the one image: two more sorts)
+        table = feature_partition_table(8, 8, 8, 8, 2, 2, merge_module.step_key(500), seed=0, blocks=1)
+        plan = merge_module.LocalMergePlan.from_matching(metric, (8, 8, 8, 8, 2, 2), table[0], 8, order="feature")
     else:
         plan = bipartite_soft_matching_random2d(metric, 8, 8, 2, 2, 32, generator=0,
                                                 deterministic=plan_kind == "deterministic")

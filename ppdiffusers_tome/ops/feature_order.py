@@ -15,11 +15,10 @@ from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
 import paddle
-import paddle.nn.functional as F
 
 from .cache import CACHE, batch_tables, const
 from .partition import variant_index
-from .runtime import dtype_name, tracing
+from .runtime import argsort_rows, dtype_name, tracing
 from .similarity import normalize_rows, similarity_dtype
 from .windows import Windows, best_in_windows, windows
 
@@ -44,7 +43,7 @@ def tile_sides(win: Windows) -> Tuple[int, int]:
     return ty, tx
 
 
-def cluster_keys(metric: paddle.Tensor, win: Windows) -> paddle.Tensor:
+def cluster_keys(metric: paddle.Tensor, win: Windows, kind: str = "cpu") -> paddle.Tensor:
     """``[B, N, 1]`` int64: for every token, the place of its cluster when the clusters are ordered by their centroid's
     cosine with the mean token. A token's cluster is the centroid it points closest to (the largest dot product with
     the unit centroid; a token's own length does not change which one); tokens of one cluster share a key, and
@@ -57,7 +56,7 @@ def cluster_keys(metric: paddle.Tensor, win: Windows) -> paddle.Tensor:
     centroids = means / paddle.linalg.norm(means, p=2, axis=-1, keepdim=True)
     overall = paddle.mean(means, axis=1, keepdim=True)  # [B, 1, C]: the mean token (tiles are equally large)
     along = paddle.matmul(centroids, overall, transpose_y=True)  # [B, K, 1]
-    place = paddle.argsort(paddle.argsort(along, axis=1, stable=True), axis=1)  # [B, K, 1]: rank of every cluster
+    place = argsort_rows(argsort_rows(along, kind, axis=1), kind, axis=1)  # [B, K, 1]: rank of every cluster
     cluster = paddle.matmul(metric, centroids, transpose_y=True).argmax(axis=-1, keepdim=True)  # [B, N, 1]
     return paddle.take_along_axis(place, cluster, axis=1, broadcast=False)  # [B, N, 1]
 
@@ -81,10 +80,8 @@ def match_feature_windows(metric: paddle.Tensor, win: Windows, partition: paddle
         ranked = paddle.gather(positions, t["ranked"])
     # sort key in rank order: the token's cluster's place, the dst after every src; a stable sort keeps rank order
     # inside a cluster
-    key = paddle.gather(cluster_keys(metric, win), ranked, axis=1) + t["dst_after_src"]  # [B, N, 1]
-    spare = 1 if kind == "gpu" and int(metric.shape[0]) == 1 else 0  # (a one-row GPU sort syncs)
-    order = paddle.argsort(F.pad(key, [0, spare, 0, 0, 0, 0]) if spare else key, axis=1, stable=True)
-    order = order[:-1] if spare else order
+    key = paddle.gather(cluster_keys(metric, win, kind), ranked, axis=1) + t["dst_after_src"]  # [B, N, 1]
+    order = argsort_rows(key, kind, axis=1)
     # every item's grid positions sorted: its runs of src, then its runs of dst
     runs = paddle.gather(ranked, order.reshape([-1])).reshape([-1, tokens])  # [B, N]
     layout = paddle.gather(runs, t["window_major"], axis=1)  # [B, N]: window by window, src first, then dst

@@ -23,7 +23,7 @@ import paddle.nn.functional as F
 
 from .cache import batch_tables
 from .partition import GeneratorLike, cell_count, generator_seed, grid, partition_table
-from .runtime import compute_dtype, device_kind, dtype_name
+from .runtime import argsort_rows, compute_dtype, device_kind, dtype_name
 from .similarity import best_dst
 
 __all__ = ["GroupMergePlan", "MergePlan", "bipartite_soft_matching_random2d"]
@@ -89,12 +89,8 @@ class MergePlan:
         num_dst = num_tokens - num_src
         with paddle.no_grad():
             best, best_dst_slot = best_dst(metric.detach(), partition, plan.num_src, kind)
-            # dst rank last (-inf), so one stable sort yields [merged src | kept src | dst]; on a GPU a spare row
-            # keeps Paddle's argsort off its synchronising single-row path
-            pad = [0, 1 if kind == "gpu" else 0, 0, num_dst]
-            order = paddle.argsort(F.pad(best, pad, value=-float("inf")), axis=-1, descending=True, stable=True)
-            if kind == "gpu":
-                order = order[:-1]
+            # dst rank last (-inf), so one stable sort yields [merged src | kept src | dst]
+            order = argsort_rows(best, kind, descending=True, append=num_dst, fill=-float("inf"))
             plan._build(order, best_dst_slot)
         return plan
 
@@ -255,8 +251,7 @@ class GroupMergePlan(MergePlan):
         g = _group_batch_tables(self.batch_size, num_dst, length, rows)
         # group key: dst d is 2d, a src merged into d is 2d + 1; a stable sort keeps the src of a group in slot order
         keys = paddle.concat([g["dst_keys"], paddle.scale(self.merged_dst, 2.0, 1.0)], axis=1)
-        # (a spare row keeps a GPU argsort off its synchronising single-row path)
-        order = paddle.argsort(paddle.concat([keys, g["spare"]], axis=0), axis=-1, stable=True)[:-1]
+        order = argsort_rows(keys, self.kind)
         sequence = paddle.take_along_axis(paddle.concat([dst, merged], axis=1), order, axis=1, broadcast=False)
         sizes = self.counts.reshape([-1, n - r])[:, num_src - r:]  # [B, Nd] float32 1 + k, exact integers
         ends = paddle.cumsum(sizes, axis=1).astype("int64") + g["last"]  # flat row of each group's last member
@@ -299,7 +294,7 @@ def _build_batch_tables(count: Any, num_tokens: int, merged_tokens: int, kept: i
 
 
 def _group_batch_tables(batch: int, num_dst: int, length: int, like: paddle.Tensor) -> Dict[str, Any]:
-    """Per-batch tables of the group merge: ``dst_keys`` (``[B, Nd]``: ``2d``), a ``spare`` key row, and ``last``
+    """Per-batch tables of the group merge: ``dst_keys`` (``[B, Nd]``: ``2d``) and ``last``
     (``[B, 1]``: ``b * length - 1``, turning an item's group end count into a flat row)."""
     return batch_tables("groups", batch, like, _build_group_tables, num_dst, length)
 
@@ -308,7 +303,6 @@ def _build_group_tables(count: Any, num_dst: int, length: int) -> Dict[str, Any]
     keys = paddle.arange(num_dst, dtype="int64").unsqueeze(0) * 2
     return {
         "dst_keys": paddle.tile(keys, [count, 1]),
-        "spare": paddle.zeros([1, length], dtype="int64"),
         "last": paddle.arange(count, dtype="int64").unsqueeze(-1) * length - 1,
     }
 

@@ -30,7 +30,7 @@ from paddle import _C_ops
 from .cache import CACHE, batch_tables
 from .feature_order import match_feature_windows
 from .global_plan import MergePlan
-from .runtime import compute_dtype, device_kind, dtype_name, tracing
+from .runtime import argsort_rows, compute_dtype, device_kind, dtype_name, tracing
 from .windows import Windows, match_windows, windows
 
 __all__ = ["DenseFeaturePlan", "DenseLocalPlan", "LocalMergePlan"]
@@ -97,10 +97,7 @@ class LocalMergePlan(MergePlan):
                 partition = None
             else:
                 best, best_dst = match_windows(metric.detach(), win, partition, kind)
-            spare = 1 if kind == "gpu" and batch == 1 and win.count == 1 else 0  # (a one-row GPU sort syncs)
-            ranked = paddle.argsort(F.pad(best, [0, spare, 0, 0]) if spare else best, axis=-1, descending=True,
-                                    stable=True)
-            ranked = ranked[:-1] if spare else ranked
+            ranked = argsort_rows(best, kind, descending=True)
             plan._build_local(ranked, best_dst, partition, batch, layout)
         return plan
 

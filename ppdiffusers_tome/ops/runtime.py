@@ -14,7 +14,7 @@ from typing import Any, Iterator, Optional
 
 import paddle
 
-__all__ = ["KINDS", "begin_eager", "compute_dtype", "converting", "device_kind", "dtype_name", "end_eager",
+__all__ = ["KINDS", "argsort_rows", "begin_eager", "compute_dtype", "converting", "device_kind", "dtype_name", "end_eager",
            "force_kernels", "forced_kernels", "known_eager", "tracing"]
 
 KINDS = ("cpu", "gpu")
@@ -167,3 +167,38 @@ def device_kind(x: Any = None) -> str:
         except Exception:  # pragma: no cover - a place that cannot answer
             pass
     return "gpu" if paddle.is_compiled_with_cuda() and str(paddle.device.get_device()).startswith("gpu") else "cpu"
+
+
+def argsort_rows(keys: paddle.Tensor, kind: str, axis: int = -1, descending: bool = False,
+                 append: int = 0, fill: float = 0.0) -> paddle.Tensor:
+    """Stable ``paddle.argsort`` of ``keys`` along ``axis``, each row on its own (a row: one index of every other
+    axis), after ``append`` entries of ``fill`` are added at the end of every row (in the same pad).
+
+    The one sort of the merge core. On the GPU family, when ``keys`` may hold a single row (one, or unknown while
+    tracing a dynamic batch), a spare row is sorted along and dropped: Paddle's GPU argsort of a single row takes a
+    Thrust path that synchronises with the host. The spare row goes in the same pad as ``append``.
+
+    >>> import paddle
+    >>> keys = paddle.to_tensor([[3.0, 1.0, 2.0]])
+    >>> argsort_rows(keys, "cpu").tolist(), argsort_rows(keys, "gpu").tolist()
+    ([[1, 2, 0]], [[1, 2, 0]])
+    >>> argsort_rows(keys, "cpu", descending=True, append=1, fill=-float("inf")).tolist()
+    [[0, 2, 1, 3]]
+    """
+    ndim = len(keys.shape)
+    axis = axis % ndim
+    spare = 0
+    if kind == "gpu":
+        rows = 1
+        for dim, size in enumerate(keys.shape):
+            if dim != axis:
+                rows = -1 if size is None or size < 0 or rows < 0 else rows * size
+        spare = 1 if rows in (1, -1) else 0
+    if spare or append:
+        pad = [0] * (2 * ndim)  # (a constant pad listing every axis, from the first)
+        if spare and axis == 0:
+            raise ValueError("argsort_rows: on GPU kernels axis must not be the first (the spare row goes there)")
+        pad[1], pad[2 * axis + 1] = spare, append
+        keys = paddle.nn.functional.pad(keys, pad, value=fill)
+    order = paddle.argsort(keys, axis=axis, descending=descending, stable=True)
+    return order[:-1] if spare else order
