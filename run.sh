@@ -16,7 +16,8 @@ usage() {
   echo "       bash run.sh python [args]   bash run.sh --version   bash run.sh --help"
   echo "test: without PATHs, the whole suite (tests/ and the doctests of ppdiffusers_tome and research/); with PATHs (files,"
   echo "      folders or node ids, relative to the repository), only those. Options alone keep the whole suite."
-  echo "environment: PYTHON (interpreter that creates the environment; default python3), VENV (its folder; default .venv)"
+  echo "environment: PYTHON (interpreter that creates the environment; default python3), VENV (its folder; default .venv),"
+  echo "             TEST_WORKERS (processes that run the whole suite; default: the CPU count, at most 4)"
 }
 case "${1:-}" in
   demo|bench|test|python|--version) ;;
@@ -58,15 +59,24 @@ case "$what" in
   test)
     # Paths among the arguments replace the default selection; an option's value (-k EXPR, --ignore PATH, ...)
     # is not a path even if a file of that name exists.
+    # The whole suite runs its files on TEST_WORKERS processes (pytest-xdist, a file per process at a time; default:
+    # the CPU count, at most 4); -n/--numprocesses or -p no:xdist among the options decide instead.
     selection=(tests --doctest-modules ppdiffusers_tome research)
+    workers="${TEST_WORKERS:-$(nproc 2>/dev/null || echo 1)}"
+    [ "$workers" -gt 4 ] && workers=4
     previous=""
     for arg in "$@"; do
       case "$previous" in
         -k|-m|-p|-o|-c|-W|--ignore|--ignore-glob|--deselect|--rootdir|--basetemp|--confcutdir|--junitxml) ;;
         *) case "$arg" in -*) ;; *) if [ -e "${arg%%::*}" ]; then selection=(--doctest-modules); fi ;; esac ;;
       esac
+      case "$previous $arg" in
+        "-p no:xdist"|*" -n"|*" -n"[0-9]*|*" --numprocesses"*|*" -nauto") workers=0 ;;
+      esac
       previous="$arg"
     done
-    exec "$venv/bin/python" -m pytest "${selection[@]}" "$@" ;;
+    distribute=()
+    if [ "${#selection[@]}" -gt 1 ] && [ "$workers" -gt 1 ]; then distribute=(-n "$workers" --dist loadfile); fi
+    exec "$venv/bin/python" -m pytest "${selection[@]}" "${distribute[@]}" "$@" ;;
   python) exec "$venv/bin/python" "$@" ;;
 esac

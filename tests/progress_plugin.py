@@ -49,7 +49,11 @@ def summary_line(path: str, counts: "collections.Counter[str]", seconds: float, 
 
 
 class FileProgress:
-    """Counts the reports of each file's tests and prints :func:`summary_line` when the file's last test is done."""
+    """Counts the reports of each file's tests and prints :func:`summary_line` when the file's last test is done.
+
+    It reads only test reports and the end of each test, so it works the same in a plain run and in the controller
+    of a distributed one (pytest-xdist: the workers' reports reach it; two files may be in flight at once, and a
+    file's seconds are the sum of its tests' setup, call and teardown)."""
 
     def __init__(self, config: pytest.Config):
         self.config = config
@@ -57,31 +61,47 @@ class FileProgress:
         self.total = 0
         self.done = 0
         self.per_file: "collections.Counter[str]" = collections.Counter()  # tests per file, from the collection
-        self.path = None  # the file running now
-        self.file_started = 0.0
-        self.counts: "collections.Counter[str]" = collections.Counter()
-        self.ran = 0  # tests of the current file run so far
+        self.finished: "collections.Counter[str]" = collections.Counter()  # tests of each file done so far
+        self.seconds: "collections.Counter[str]" = collections.Counter()
+        self.counts: "dict[str, collections.Counter[str]]" = {}  # files started and not yet reported
+        self.final = None  # the last file's line, printed after pytest's own closing progress
 
     # hooks ---------------------------------------------------------------------------------------------------------
     def pytest_sessionstart(self) -> None:
         self.started = time.monotonic()
 
     def pytest_collection_finish(self, session: pytest.Session) -> None:
-        self.total = len(session.items)
-        self.per_file = collections.Counter(file_of(item.nodeid) for item in session.items)
+        if session.items:  # (empty in the controller of a distributed run: its workers collect)
+            self.collected([item.nodeid for item in session.items])
 
-    @pytest.hookimpl(wrapper=True)
-    def pytest_runtest_protocol(self, item: pytest.Item, nextitem):
-        path = file_of(item.nodeid)
-        if path != self.path:
-            self.finish()  # (a file whose last test never ran, e.g. skipped by a plugin)
-            self.path, self.file_started, self.counts, self.ran = path, time.monotonic(), collections.Counter(), 0
-        result = yield  # (a test stopped by Ctrl-C raises here: it is not counted as run)
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_xdist_node_collection_finished(self, node, ids) -> None:
+        if not self.total:  # (every worker collects the same tests)
+            self.collected(ids)
+
+    def collected(self, nodeids) -> None:
+        self.total = len(nodeids)
+        self.per_file = collections.Counter(file_of(nodeid) for nodeid in nodeids)
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        path = file_of(report.nodeid)
+        counts = self.counts.setdefault(path, collections.Counter())
+        self.seconds[path] += report.duration
+        category = self.config.hook.pytest_report_teststatus(report=report, config=self.config)[0]
+        if category:  # "" for a setup or teardown that passed
+            counts[category] += 1
+
+    @pytest.hookimpl(trylast=True)  # (after the terminal has written the test's progress)
+    def pytest_runtest_logfinish(self, nodeid: str) -> None:
+        path = file_of(nodeid)
         self.done += 1
-        self.ran += 1
-        if nextitem is not None and file_of(nextitem.nodeid) != path:
-            self.finish()  # (the last file's line waits for pytest's closing "[100%]": see below)
-        return result
+        self.finished[path] += 1
+        if self.finished[path] >= self.per_file[path] and path in self.counts:
+            line = self.line(path)
+            if self.done >= self.total:
+                self.final = line  # pytest ends the run's last row of dots with "[100%]" after this
+            else:
+                self.write(*line)
 
     @pytest.hookimpl(wrapper=True, tryfirst=True)
     def pytest_runtestloop(self, session: pytest.Session):
@@ -90,25 +110,23 @@ class FileProgress:
         self.finish()
         return result
 
-    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        if self.path is None or file_of(report.nodeid) != self.path:
-            return
-        category = self.config.hook.pytest_report_teststatus(report=report, config=self.config)[0]
-        if category:  # "" for a setup or teardown that passed
-            self.counts[category] += 1
-
     def pytest_sessionfinish(self) -> None:
-        self.finish()  # the file a stopped run (-x, --maxfail, Ctrl-C) was in
+        self.finish()  # the files a stopped run (-x, --maxfail, Ctrl-C) was in
 
     # output --------------------------------------------------------------------------------------------------------
+    def line(self, path: str) -> "tuple[str, bool]":
+        """The line of the file ``path`` (which is then no longer in flight) and whether it failed."""
+        counts = self.counts.pop(path)
+        text = summary_line(path, counts, self.seconds[path], self.done, self.total,
+                            time.monotonic() - self.started, left=max(self.per_file[path] - self.finished[path], 0))
+        return text, bool(counts["failed"] or counts["error"])
+
     def finish(self) -> None:
-        if self.path is None:
-            return
-        now = time.monotonic()
-        line = summary_line(self.path, self.counts, now - self.file_started, self.done, self.total,
-                            now - self.started, left=max(self.per_file[self.path] - self.ran, 0))
-        self.path = None
-        self.write(line, failed=bool(self.counts["failed"] or self.counts["error"]))
+        if self.final is not None:
+            self.write(*self.final)
+            self.final = None
+        for path in list(self.counts):  # files a stopped run left unfinished
+            self.write(*self.line(path))
 
     def write(self, line: str, failed: bool = False) -> None:
         reporter = self.config.pluginmanager.get_plugin("terminalreporter")
@@ -118,7 +136,9 @@ class FileProgress:
         if writer.width_of_current_line:  # a row of dots (or a test's own line) is still open: end it first
             writer.line()
         markup = {"red": True} if failed else {}
-        if self.config.get_verbosity() < 0:  # -q: the next file's dots start on a line of their own
+        if self.config.get_verbosity() < 0 or self.config.pluginmanager.has_plugin("dsession"):
+            # -q: the next file's dots start on a line of their own; a distributed run's terminal does not end an
+            # open line before the next test's
             writer.line(line, **markup)
         else:
             # pytest ends an open line itself before it names the next file (or test), and would print an

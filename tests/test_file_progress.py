@@ -95,3 +95,15 @@ def test_a_run_stopped_by_the_first_failure_still_reports_the_file_it_stopped_in
 def test_the_lines_can_be_turned_off(suite):
     code, lines = suite("-q", "-p", "no:file-progress")
     assert code == 1 and not [text for text in lines if "elapsed]" in text], "\n".join(lines)
+
+
+@pytest.mark.parametrize("verbosity", [["-q"], []], ids=["quiet", "default"])
+def test_a_distributed_run_prints_the_line_of_every_file_once_on_a_line_of_its_own(suite, verbosity):
+    # pytest-xdist: the workers' reports reach the controller, which prints; the two files run side by side, so
+    # how many tests were done when a file ended depends on which finished first
+    code, lines = suite("-n", "2", "--dist", "loadfile", *verbosity)
+    first = line("test_first.py", "2 passed", r"\d", r"\d+")
+    second = line("test_second.py", "1 failed, 1 passed, 1 skipped", r"\d", r"\d+")
+    assert len(matching(lines, first)) == len(matching(lines, second)) == 1, "\n".join(lines)
+    assert sum("[5/5 tests, 100%;" in text for text in lines) == 1, "\n".join(lines)  # the last one counts all
+    assert code == 1 and re.search(r"1 failed, 3 passed, 1 skipped in ", lines[-1]), lines[-1]

@@ -10,8 +10,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VENV = os.path.dirname(os.path.dirname(sys.executable))  # the environment running these tests
 
 
-def run_sh(*args, timeout=300):
-    env = dict(os.environ, VENV=VENV)
+def run_sh(*args, timeout=300, **variables):
+    env = dict(os.environ, VENV=VENV, **variables)
     return subprocess.run(["bash", os.path.join(REPO, "run.sh"), *args], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=REPO)
 
@@ -63,6 +63,19 @@ def test_options_alone_keep_the_whole_suite_and_the_doctests():
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     files = collected_files(done)
     assert "tests/test_cli.py" in files and "ppdiffusers_tome/merge.py" in files  # a test file and a doctest
+
+
+@needs_venv
+@pytest.mark.parametrize("workers, distributed", [("2", True), ("1", False)])
+def test_the_whole_suite_runs_its_files_on_test_workers_processes(workers, distributed):
+    """Without a path the suite runs on TEST_WORKERS processes (pytest-xdist, whole files per process), each file
+    still ending with its own line; one worker (or -n / -p no:xdist among the options) runs it in this process."""
+    done = run_sh("test", "-q", "-p", "no:cacheprovider", "-k", "test_presets_are_listed or test_the_kernel_family_switch",
+                  TEST_WORKERS=workers)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert ("bringing up nodes" in done.stdout) == distributed, done.stdout[-2000:]
+    lines = [line for line in done.stdout.splitlines() if " passed in " in line and "elapsed]" in line]
+    assert sorted(line.split(":")[0] for line in lines) == ["tests/test_cli.py", "tests/test_force_kernels.py"], lines
 
 
 def test_ci_runs_the_whole_suite():
