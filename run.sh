@@ -34,7 +34,7 @@ if [ ! -f "$stamp" ]; then
   # pip's own lines go to the log; the screen gets one line per phase (packages found, then installing)
   set +e
   "$venv/bin/python" -m pip install --disable-pip-version-check --progress-bar off \
-    -r requirements.txt -c constraints.txt -e . 2>&1 | tee "$log" | awk '
+    --use-pep517 -r requirements.txt -c constraints.txt -e . 2>&1 | tee "$log" | awk '
       /^Collecting / { n++; if (n % 10 == 1) { printf "run.sh:   resolving: %d packages so far\n", n; fflush() } }
       /^Installing collected packages/ {
         printf "run.sh:   installing %d packages (the slow part) ...\n", split(substr($0, index($0, ":") + 2), p, ", ")
