@@ -63,7 +63,10 @@ case "$what" in
     # the CPU count, at most 4); -n/--numprocesses or -p no:xdist among the options decide instead.
     selection=(tests --doctest-modules ppdiffusers_tome research)
     workers="${TEST_WORKERS:-$(nproc 2>/dev/null || echo 1)}"
-    [ "$workers" -gt 4 ] && workers=4
+    case "$workers" in
+      ''|*[!0-9]*|0) echo "run.sh: TEST_WORKERS must be an integer >= 1, got '$workers'" >&2; exit 2 ;;
+    esac
+    if [ "$workers" -gt 4 ]; then workers=4; fi
     previous=""
     for arg in "$@"; do
       case "$previous" in

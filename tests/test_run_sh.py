@@ -78,6 +78,12 @@ def test_the_whole_suite_runs_its_files_on_test_workers_processes(workers, distr
     assert sorted(line.split(":")[0] for line in lines) == ["tests/test_cli.py", "tests/test_force_kernels.py"], lines
 
 
+@pytest.mark.parametrize("workers", ["x", "0", "-2"])
+def test_a_bad_test_workers_value_is_refused_by_name(workers):
+    done = run_sh("test", "-q", "tests/test_config.py", TEST_WORKERS=workers, timeout=60)
+    assert done.returncode == 2 and f"TEST_WORKERS must be an integer >= 1, got '{workers}'" in done.stderr, done.stderr
+
+
 def test_ci_runs_the_whole_suite():
     """.ci/run passes options only, so run.sh keeps the default selection (every test and doctest)."""
     lines = [line.split() for line in open(os.path.join(REPO, ".ci", "run"), encoding="utf-8")

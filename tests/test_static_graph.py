@@ -27,7 +27,7 @@ class NoisePredictor(paddle.nn.Layer):
         return self.unet(sample, timestep, context).sample
 
 
-def small_unet():
+def small_unet(up_block_type="CrossAttnUpBlock2D"):
     """A one-level UNet without a mid block: its three transformer blocks (down 1, up 2) all sit at the 1x level
     (256 tokens on 16 x 16 latents), where ToMe merges, so every block the converter traces is a patched one. A
     conversion costs about the number of layers it traces (SOT mode most: several seconds per layer stack), and
@@ -35,7 +35,7 @@ def small_unet():
     return tiny_unet(
         block_out_channels=(32,),
         down_block_types=("CrossAttnDownBlock2D",),
-        up_block_types=("CrossAttnUpBlock2D",),
+        up_block_types=(up_block_type,),
         mid_block_type=None,
     )
 
@@ -44,12 +44,7 @@ def one_block_unet():
     """The same UNet with a plain up block: one transformer block in all. SOT mode translates every layer it runs
     (about 15 s for this model alone, about as much again for ToMe's hooks and plan code); one patched block
     exercises all of the package's code a conversion meets."""
-    return tiny_unet(
-        block_out_channels=(32,),
-        down_block_types=("CrossAttnDownBlock2D",),
-        up_block_types=("UpBlock2D",),
-        mid_block_type=None,
-    )
+    return small_unet(up_block_type="UpBlock2D")
 
 
 SPEC = [InputSpec([2, 4, 16, 16], "float32"), InputSpec([2], "int64"), InputSpec([2, 5, 32], "float32")]
@@ -135,8 +130,9 @@ def convert(unet, mode):
     return lambda *inputs: static(*inputs).numpy()
 
 
-PROMISED = [dict(), dict(use_rand=False), dict(method="todo"), dict(match_window=8, share_plan="level"),
-            dict(match_window=8, match_order="feature", share_plan="level")]
+PROMISED = {"defaults": dict(), "no-rand": dict(use_rand=False), "todo": dict(method="todo"),
+            "local-shared": dict(match_window=8, share_plan="level"),
+            "feature-shared": dict(match_window=8, match_order="feature", share_plan="level")}
 
 
 # In SOT mode (on the one-block UNet) the defaults are converted cold and warm, every other option cold: one SOT
@@ -145,7 +141,7 @@ PROMISED_RUNS = [
     pytest.param(options, mode, (False, True) if mode == "full_graph" or name == "defaults" else (False,),
                  id=f"{name}-{mode}")
     for mode in ("sot", "full_graph")
-    for name, options in zip(("defaults", "no-rand", "todo", "local-shared", "feature-shared"), PROMISED)
+    for name, options in PROMISED.items()
 ]
 
 

@@ -9,17 +9,17 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import threading
 from typing import Any, Iterator, Optional
 
 import paddle
 
-__all__ = ["KINDS", "argsort_rows", "begin_eager", "compute_dtype", "converting", "device_kind", "dtype_name", "end_eager",
-           "force_kernels", "forced_kernels", "known_eager", "tracing"]
+__all__ = ["KINDS", "argsort_rows", "begin_eager", "compute_dtype", "converting", "device_kind", "dtype_name",
+           "end_eager", "force_kernels", "forced_kernels", "known_eager", "tracing"]
 
 KINDS = ("cpu", "gpu")
 LOW_PRECISION = ("float16", "bfloat16")
-
 
 
 class _Forced:
@@ -189,11 +189,9 @@ def argsort_rows(keys: paddle.Tensor, kind: str, axis: int = -1, descending: boo
     axis = axis % ndim
     spare = 0
     if kind == "gpu":
-        rows = 1
-        for dim, size in enumerate(keys.shape):
-            if dim != axis:
-                rows = -1 if size is None or size < 0 or rows < 0 else rows * size
-        spare = 1 if rows in (1, -1) else 0
+        others = [size for dim, size in enumerate(keys.shape) if dim != axis]  # one row per index of these
+        unknown = any(size is None or size < 0 for size in others)  # (a dynamic batch while tracing)
+        spare = 1 if unknown or math.prod(others) == 1 else 0
     if spare or append:
         pad = [0] * (2 * ndim)  # (a constant pad listing every axis, from the first)
         if spare and axis == 0:
