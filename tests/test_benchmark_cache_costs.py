@@ -19,3 +19,26 @@ def test_flops_at_a_larger_side_follow_exactly_from_a_constant_a_quadratic_and_a
 def test_steps_cost_one_full_call_and_the_rest_cached_only_with_a_cache():
     costs = load_benchmark("cache_costs")
     assert costs.per_steps(10, 10, None, 3) == 30 and costs.per_steps(10, 2, 3, 3) == 14
+
+
+def test_inputs_carry_sdxls_added_conditioning_and_a_branch_the_layout_lacks_is_skipped(tmp_path, capsys):
+    import json
+
+    from ppdiffusers_tome.tools.tiny import tiny_sdxl_unet, tiny_unet
+
+    costs = load_benchmark("cache_costs")
+    args, kwargs = costs.inputs_at(tiny_unet(), 64)
+    assert kwargs == {} and [list(a.shape) for a in args][0] == [2, 4, 8, 8]
+    sdxl = tiny_sdxl_unet()
+    args, kwargs = costs.inputs_at(sdxl, 64)
+    assert set(kwargs["added_cond_kwargs"]) == {"text_embeds", "time_ids"}
+    assert list(sdxl(*args, **kwargs).sample.shape) == [2, 4, 8, 8]  # the call SDXL's UNet needs
+    output = tmp_path / "costs.json"
+    costs.main(["--preset", "tiny-sdxl", "--resolutions", "64", "96", "128", "--extrapolate", "256",
+                "--output", str(output)])
+    data = json.loads(output.read_text())
+    # the tiny layout has one layer per down block: DeepCache's branch 1 (layers=2) does not exist there
+    assert "cache 3, layers 2" in data["skipped"] and "layers must be in [1, 1]" in data["skipped"]["cache 3, layers 2"]
+    rows = {row["config"]: row for row in data["rows"]}
+    assert rows["cache 3, layers 1"]["ops_cached"] < rows["cache 3"]["ops_cached"] < rows["vanilla"]["ops_full"]
+    assert rows["cache 3, layers 1"]["sizes"]["256"]["flop_speedup"] > rows["cache 3"]["sizes"]["256"]["flop_speedup"]
