@@ -269,6 +269,27 @@ def test_todo_refuses_a_joint_layer_with_a_processor_it_does_not_know_before_any
     assert get_patch(model) is None and hook_shape(model) == unpatched
 
 
+def test_a_processor_set_after_todo_was_applied_is_refused_by_name_when_called():
+    model = ppdiffusers_tome.apply_tome(tiny_sd3_transformer(), method="todo")
+    model.transformer_blocks[0].attn.set_processor(AttnProcessor())
+    with pytest.raises(ValueError, match="AttnProcessor"):
+        forward(model, transformer_inputs())
+
+
+def test_todo_and_the_step_cache_together_run_and_both_removals_give_back_vanilla():
+    pipe = tiny_sd3_pipeline()
+    vanilla = call(pipe, steps=4)
+    pipe.apply_cache(interval=2)
+    cached = call(pipe, steps=4)
+    pipe.apply_tome(method="todo")
+    both = call(pipe, steps=4)
+    assert ppdiffusers_tome.tome_stats(pipe)["transformer"]["merges"] > 0
+    assert np.isfinite(both).all() and np.abs(both - cached).max() > 0
+    pipe.remove_tome()
+    pipe.remove_cache()
+    np.testing.assert_array_equal(call(pipe, steps=4), vanilla)
+
+
 def test_merge_crossattn_stays_refused_on_sd3_with_todo_too():
     with pytest.raises(ValueError, match="merge_crossattn"):
         ppdiffusers_tome.apply_tome(tiny_sd3_transformer(), method="todo", merge_crossattn=True)
