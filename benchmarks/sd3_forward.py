@@ -8,17 +8,22 @@ runs each configuration once (after one untimed forward each), in a rotated orde
 seconds and the range of the per-round speed-ups, the relative L2 distance of the output to vanilla's for each input
 seed (mean and spread), and the FLOP ceiling (image q/k/v/o and MLP, text q/k/v/o and MLP, joint attention; AdaLN
 and embeddings left out). With ``--loop-steps N`` it also times a whole N-step denoising loop per configuration
-(vanilla, ToMe 0.5 attention + MLP, cache 3, both) over ``--seeds`` seeds. Prints tables and writes JSON:
+(vanilla, ToMe 0.5 attention + MLP, cache 3, both) over ``--seeds`` seeds. With ``--ops-per-block`` it times
+nothing: it counts the eager operators of one ``JointTransformerBlock`` call (:func:`block_op_rows`) per
+configuration of :data:`OPS_CONFIGS`, with the GPU kernels forced and with the CPU's. Prints tables and writes JSON:
 
     bash run.sh python benchmarks/sd3_forward.py --sizes 512 1024 --layers 4 --output outputs/sd3_forward.json
     bash run.sh python benchmarks/sd3_forward.py --sizes 512 --layers 24 --rounds 1 --seeds 2 --loop-steps 20 \
         --output outputs/sd3_loop.json
+    bash run.sh python benchmarks/sd3_forward.py --ops-per-block --sizes 512 1024 \
+        --output outputs/sd3_ops_per_block.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -32,7 +37,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import ppdiffusers_tome  # noqa: E402
 from ppdiffusers_tome.joint_attention import use_math_attention  # noqa: E402
-from ppdiffusers_tome.tools.measure import relative_l2, set_threads  # noqa: E402
+from ppdiffusers_tome.ops.runtime import force_kernels  # noqa: E402
+from ppdiffusers_tome.patch import get_patch  # noqa: E402
+from ppdiffusers_tome.tools.measure import count_ops, relative_l2, set_threads  # noqa: E402
 
 TEXT_TOKENS = 333
 CONFIGS: Dict[str, Dict[str, Any] | None] = {
@@ -41,23 +48,39 @@ CONFIGS: Dict[str, Dict[str, Any] | None] = {
     "ToMe 0.5, attention": dict(ratio=0.5),
     "ToMe 0.3, attention + MLP": dict(ratio=0.3, merge_mlp=True),
     "ToMe 0.5, attention + MLP": dict(ratio=0.5, merge_mlp=True),
+    "ToDo, factor 2": dict(method="todo"),
+}
+# the configurations whose operators --ops-per-block counts; all but the first merge wherever they can (min_work=0:
+# on GPU kernels the default policy skips SD3 blocks below JOINT_MIN_WORK, which costs no operator at all)
+OPS_CONFIGS: Dict[str, Dict[str, Any] | None] = {
+    "vanilla": None,
+    "ToMe 0.5, attention": dict(ratio=0.5, min_work=0),
+    "ToMe 0.5, attention + MLP": dict(ratio=0.5, merge_mlp=True, min_work=0),
+    "ToDo, factor 2": dict(method="todo", min_work=0),
 }
 
 
-def flop_ceiling(image_tokens: int, width: int, ratio: float, mlp: bool, text: int = TEXT_TOKENS) -> float:
+def flop_ceiling(image_tokens: int, width: int, ratio: float, mlp: bool, text: int = TEXT_TOKENS,
+                 factor: int = 1) -> float:
     """Vanilla's FLOPs over the merged forward's, per layer (so for any number of layers): q/k/v/o are 4 width**2
     multiply-adds per token, the MLP 8 width**2, the joint attention 2 (tokens**2) width; merging ``ratio`` of the
-    image tokens shrinks the image stream's q/k/v/o and the attention (and the image MLP with ``mlp``).
+    image tokens shrinks the image stream's q/k/v/o and the attention (and the image MLP with ``mlp``). ToDo
+    (``factor`` > 1, ``ratio`` 0) keeps every query and projects the image keys and values from the
+    ``ceil(side / factor)**2`` tokens of a square patch grid: it shrinks the image k/v projections and the keys.
 
     >>> round(flop_ceiling(4096, 1536, 0.5, False), 2), round(flop_ceiling(4096, 1536, 0.5, True), 2)
     (1.5, 2.19)
+    >>> round(flop_ceiling(4096, 384, 0.0, False, factor=2), 2)
+    1.98
     """
-    def cost(image: int, image_mlp: int) -> float:
-        tokens = image + text
-        return 4 * (image + text) * width**2 + 8 * (image_mlp + text) * width**2 + 2 * tokens**2 * width
+    def cost(image: int, image_kv: int, image_mlp: int) -> float:
+        return (2 * (image + text) + 2 * (image_kv + text)) * width**2 + 8 * (image_mlp + text) * width**2 \
+            + 2 * (image + text) * (image_kv + text) * width
 
     merged = image_tokens - int(image_tokens * ratio)
-    return cost(image_tokens, image_tokens) / cost(merged, merged if mlp else image_tokens)
+    side = math.isqrt(image_tokens)
+    kv = (-(-side // factor)) ** 2 if factor > 1 else merged
+    return cost(image_tokens, image_tokens, image_tokens) / cost(merged, kv, merged if mlp else image_tokens)
 
 
 def narrow_sd3(layers: int, width: int, seed: int = 0):
@@ -124,10 +147,69 @@ def measure(size: int, model: Any, rounds: int, seeds: int) -> List[Dict[str, An
             "seconds": statistics.median(seconds[name]), "speedup": statistics.median(speedups),
             "speedup_range": [min(speedups), max(speedups)],
             "rel_l2": float(np.mean(distances)), "rel_l2_sd": float(np.std(distances)),
-            "flop_ceiling": flop_ceiling(image_tokens, WIDTH, options.get("ratio", 0.0), options.get("merge_mlp", False))
-            if options else 1.0,
+            "flop_ceiling": flop_ceiling(image_tokens, WIDTH, options.get("ratio", 0.0), options.get("merge_mlp", False),
+                                         factor=options.get("downsample_factor", 2) if options.get("method") == "todo"
+                                         else 1) if options else 1.0,
         })
     return rows
+
+
+def block_op_rows(model: Any, size: int, kinds=("gpu", "cpu"), configs=None, block: int = 0,
+                  text_tokens: int = TEXT_TOKENS, batch: int = 2) -> List[Dict[str, Any]]:
+    """Eager operators of one call of ``model.transformer_blocks[block]`` per configuration of ``configs`` (default
+    :data:`OPS_CONFIGS`) on each kernel family of ``kinds``, at ``size`` px (``(size // 16)**2`` image tokens), batch
+    ``batch``, ``text_tokens`` text tokens of the model's width. Each block call runs inside a model call
+    (``patch.in_call``); ``ops`` counts a block call after another block of the same call has run (what every block
+    pays; the call's random partition table already exists), ``first_block_ops`` the first block call of a call (with
+    that table drawn). Counted with ``paddle.profiler`` (:func:`~ppdiffusers_tome.tools.measure.count_ops`) after one
+    uncounted call; ``added`` is ``ops`` minus vanilla's."""
+    configs = OPS_CONFIGS if configs is None else configs
+    layer = model.transformer_blocks[block]
+    width = model.config.caption_projection_dim
+    rng = np.random.default_rng(0)
+    side = size // 16
+    hidden, text, temb = (paddle.to_tensor(rng.standard_normal(shape).astype("float32"))
+                          for shape in ((batch, side * side, width), (batch, text_tokens, width), (batch, width)))
+    sample = paddle.zeros([batch, model.config.in_channels, side * 2, side * 2])
+    timestep = paddle.to_tensor([500.0] * batch)
+
+    def block_call():
+        with paddle.no_grad():
+            return layer(hidden, text, temb)
+
+    rows: List[Dict[str, Any]] = []
+    for kind in kinds:
+        vanilla = None
+        with force_kernels(kind):
+            for name, options in configs.items():
+                ppdiffusers_tome.remove_tome(model)
+                if options is None:
+                    block_call()
+                    first = steady = count_ops(block_call)
+                else:
+                    patch = get_patch(ppdiffusers_tome.apply_tome(model, **options))
+                    with patch.in_call(sample, timestep):
+                        block_call()
+                    with patch.in_call(sample, timestep):
+                        first = count_ops(block_call)
+                        steady = count_ops(block_call)
+                    stats = ppdiffusers_tome.tome_stats(model)[type(model).__name__]
+                vanilla = steady.total if options is None else vanilla
+                rows.append({"kernels": kind, "configuration": name, "size": size, "image_tokens": side * side,
+                             "text_tokens": text_tokens, "width": width, "batch": batch, "ops": steady.total,
+                             "added": steady.total - vanilla, "first_block_ops": first.total,
+                             "merges_per_call": None if options is None else stats["merges"] // 3,  # 3 block calls
+                             "by_name": dict(sorted(steady.by_name.items()))})
+    ppdiffusers_tome.remove_tome(model)
+    return rows
+
+
+def print_op_rows(rows: List[Dict[str, Any]]) -> None:
+    print("| kernels | size | configuration | ops per block call | added to vanilla | first block of a call |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for row in rows:
+        print(f"| {row['kernels'].upper()} | {row['size']}² ({row['image_tokens']} image tokens) | "
+              f"{row['configuration']} | {row['ops']} | {row['added']:+d} | {row['first_block_ops']} |")
 
 
 WIDTH = 384
@@ -200,10 +282,24 @@ def main(argv: List[str] | None = None) -> Dict[str, Any]:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--loop-steps", type=int, default=0,
                         help="also time a denoising loop of this many steps per configuration at the first size")
+    parser.add_argument("--ops-per-block", action="store_true",
+                        help="count the eager operators of one block call per configuration instead of timing")
     parser.add_argument("--output")
     args = parser.parse_args(argv)
     WIDTH = args.width
     threads = set_threads(args.threads)
+    if args.ops_per_block:
+        model = narrow_sd3(2, args.width)  # an inner block (counted) and the last one
+        rows = [row for size in args.sizes for row in block_op_rows(model, size)]
+        print_op_rows(rows)
+        result = {"version": ppdiffusers_tome.__version__, "paddle": paddle.__version__, "width": args.width,
+                  "heads": args.width // 64, "text_tokens": TEXT_TOKENS, "batch": 2, "rows": rows,
+                  "command": "benchmarks/sd3_forward.py " + " ".join(argv if argv is not None else sys.argv[1:])}
+        if args.output:
+            os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+            with open(args.output, "w", encoding="utf-8") as handle:
+                json.dump(result, handle, indent=1)
+        return result
     model = narrow_sd3(args.layers, args.width)
     rows = [row for size in args.sizes for row in measure(size, model, args.rounds, args.seeds)]
     print("| size | configuration | s / forward | speed-up (range) | FLOP ceiling | rel. L2 to vanilla (sd) |")

@@ -96,8 +96,8 @@ class Settings:
         self.auto_level = config.max_downsample == "auto"
         self.max_downsample = None if self.auto_level else int(config.max_downsample)
         self.patch_size: int | None = patch_size_of(model)
-        # SD3's joint attention has no separate keys and values of the image stream to pool: there the policy
-        # merges where it pays instead of pooling
+        # SD3's joint attention: the policy merges where it pays instead of pooling (K/V pooling runs there, as ToDo
+        # does, but was never measured on a GPU against merging)
         self.joint = any(type(block).__name__ == "JointTransformerBlock" for _, block in blocks)
         self.auto_finest: int | None = None
         if self.auto_level and self.patch_size is None:

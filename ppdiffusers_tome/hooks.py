@@ -8,7 +8,8 @@ merge, and on the sub-layers that run on merged tokens.
   block runs.
 * :class:`SublayerHook` merges the input of ``attn1`` (``attn2``/``ff``) with that plan, runs the sub-layer on the
   merged tokens and unmerges its output, so the block's residual add sees full-size tensors, exactly where tomesd
-  merges; with ToDo (and the policy's pooling) it passes the downsampled tokens as the keys and values instead.
+  merges; with ToDo (and the policy's pooling) it passes the downsampled tokens as the keys and values instead (on
+  SD3's joint attention, through :func:`~ppdiffusers_tome.joint_attention.downsampled_joint_attention`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any, Tuple
 
 import paddle
 
+from .joint_attention import downsampled_joint_attention
 from .ops.downsample import DownsamplePlan
 from .ops.runtime import begin_eager, end_eager
 from .registry import Hook
@@ -101,11 +103,13 @@ class BlockHook(Hook):
 
 
 class SublayerHook(Hook):
-    """Runs one sub-layer (``attn1``, ``attn2`` or ``ff``) of a block on merged tokens."""
+    """Runs one sub-layer (``attn1``, ``attn2`` or ``ff``; SD3's ``attn`` with ``joint``) of a block on merged
+    tokens."""
 
-    def __init__(self, block: BlockHook, self_attention: bool) -> None:
+    def __init__(self, block: BlockHook, self_attention: bool, joint: bool = False) -> None:
         self.block = block
         self.self_attention = self_attention
+        self.joint = joint  # SD3's joint attention: its second stream is the text, not the keys and values
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         plan = self.block.slot.plan
@@ -119,6 +123,10 @@ class SublayerHook(Hook):
             return self.next(*args, **kwargs)  # e.g. chunked feed-forward: leave such calls alone
         counters = self.block.patch.counters
         if isinstance(plan, DownsamplePlan):  # ToDo: queries stay, keys/values come from the downsampled tokens
+            if self.joint:  # the text stream stays; the image keys and values come from the downsampled image tokens
+                text = args[1] if len(args) > 1 else kwargs.get("encoder_hidden_states")
+                counters.merges += 1
+                return downsampled_joint_attention(self.layer, x, text, plan.keys_values(x))
             if not self.self_attention or kwargs.get("encoder_hidden_states") is not None:
                 return self.next(*args, **kwargs)  # not self-attention after all (only_cross_attention blocks)
             counters.merges += 1

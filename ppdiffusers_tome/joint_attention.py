@@ -8,6 +8,10 @@ Paddle only where its GPU or NPU kernels exist: on a CPU an SD3 transformer stop
 model and :func:`remove_math_attention` puts the replaced processors back. Nothing is added to Paddle's modules: the
 processor lives on the attention layers it is set on, like any other ppdiffusers processor.
 
+:func:`joint_attention` is that processor's computation with the attention core as an argument and, optionally, the
+image keys and values projected from other tokens: ToDo on SD3 (:func:`downsampled_joint_attention`) passes the
+image tokens downsampled on the patch grid, with the core of the layer's processor (:func:`attention_core`).
+
 This does not reach the fused transformer that ppdiffusers builds when the environment variable
 ``INFERENCE_OPTIMIZE=True`` is set (``simplified_sd3.py``, which calls the GPU function directly and needs
 PaddleMIX's Triton kernels); :func:`use_math_attention` refuses such a model by name.
@@ -17,15 +21,15 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Dict, List, Optional, Tuple, TypeVar
+from typing import Any, Callable, Dict, List, Optional, Tuple, TypeVar
 
 import paddle
 from ppdiffusers.models.attention_processor import Attention, JointAttnProcessor2_5
 from ppdiffusers.models.simplified_sd3 import SimplifiedSD3
 from ppdiffusers.models.transformer_sd3 import SD3Transformer2DModel
 
-__all__ = ["JointMathAttnProcessor", "joint_attention_layers", "math_attention", "remove_math_attention",
-           "use_math_attention"]
+__all__ = ["JointMathAttnProcessor", "attention_core", "downsampled_joint_attention", "joint_attention",
+           "joint_attention_layers", "math_attention", "remove_math_attention", "stock_attention", "use_math_attention"]
 
 logger = logging.getLogger(__name__)
 
@@ -113,25 +117,87 @@ class JointMathAttnProcessor(JointAttnProcessor2_5):
         if hidden_states.ndim != 3 or encoder_hidden_states.ndim != 3:
             raise ValueError(f"joint attention takes [batch, tokens, channels] streams; got shapes "
                              f"{hidden_states.shape} (image) and {encoder_hidden_states.shape} (text)")
-        image_tokens = hidden_states.shape[1]
+        return joint_attention(attn, hidden_states, encoder_hidden_states, math_attention)
 
-        # image stream first, text stream after it, in one sequence
-        query = paddle.concat([attn.to_q(hidden_states), attn.add_q_proj(encoder_hidden_states)], axis=1)
-        key = paddle.concat([attn.to_k(hidden_states), attn.add_k_proj(encoder_hidden_states)], axis=1)
-        value = paddle.concat([attn.to_v(hidden_states), attn.add_v_proj(encoder_hidden_states)], axis=1)
-        inner_dim = key.shape[-1]
-        head_dim = inner_dim // attn.heads
-        split_heads = [0, -1, attn.heads, head_dim]  # 0: the batch as it comes (a dynamic batch in a static graph)
-        query, key, value = query.reshape(split_heads), key.reshape(split_heads), value.reshape(split_heads)
 
-        joint = math_attention(query, key, value)
-        joint = joint.reshape([0, -1, attn.heads * head_dim]).astype(query.dtype)
+def stock_attention(query: paddle.Tensor, key: paddle.Tensor, value: paddle.Tensor) -> paddle.Tensor:
+    """The attention core of ppdiffusers' ``JointAttnProcessor2_5``: ``paddle.nn.functional.scaled_dot_product_attention_``
+    called as that processor calls it. The function exists only where ppdiffusers found GPU or NPU kernels; elsewhere
+    this raises ``AttributeError`` naming :func:`use_math_attention`."""
+    function = getattr(paddle.nn.functional, "scaled_dot_product_attention_", None)
+    if function is None:
+        raise AttributeError("paddle.nn.functional.scaled_dot_product_attention_ does not exist here (ppdiffusers adds "
+                             "it only where its GPU or NPU kernels exist): call use_math_attention(pipe) first")
+    return function(query, key, value, dropout_p=0.0, is_causal=False)
 
-        image, text = joint[:, :image_tokens], joint[:, image_tokens:]
-        image = attn.to_out[1](attn.to_out[0](image))  # projection, then the layer's dropout
-        if not attn.context_pre_only:
-            text = attn.to_add_out(text)
-        return image, text
+
+def attention_core(processor: Any) -> Optional[Callable[..., paddle.Tensor]]:
+    """The attention core a joint attention processor runs: :func:`math_attention` for
+    :class:`JointMathAttnProcessor`, :func:`stock_attention` for ppdiffusers' own ``JointAttnProcessor2_5``, None for
+    any other processor (whose core this package does not know).
+
+    >>> attention_core(JointMathAttnProcessor()) is math_attention, attention_core(object())
+    (True, None)
+    """
+    if isinstance(processor, JointMathAttnProcessor):
+        return math_attention
+    if type(processor) is JointAttnProcessor2_5:
+        return stock_attention
+    return None
+
+
+def joint_attention(attn: Attention, hidden_states: paddle.Tensor, encoder_hidden_states: paddle.Tensor,
+                    core: Callable[..., paddle.Tensor],
+                    image_kv: Optional[paddle.Tensor] = None) -> Tuple[paddle.Tensor, paddle.Tensor]:
+    """SD3's joint attention of the layer ``attn`` (the computation of ``JointAttnProcessor2_5``) with ``core`` as
+    its attention core, ``(image_output [B, N, C], text_output [B, M, C or inner_dim])``.
+
+    With ``image_kv`` (``[B, N', C]``: ToDo's image tokens downsampled on the patch grid) the image stream's keys and
+    values are projected from ``image_kv`` instead of ``hidden_states``; every image query stays, the text stream is
+    unchanged, and the queries attend over ``[image keys (N'); text keys (M)]``, the stock processor's order. The
+    outputs have the shapes of the call without ``image_kv``.
+
+    >>> import paddle
+    >>> from ppdiffusers.models.attention_processor import Attention
+    >>> attn = Attention(query_dim=8, added_kv_proj_dim=8, dim_head=4, heads=2, out_dim=8, context_pre_only=False,
+    ...                  bias=True, processor=JointMathAttnProcessor())
+    >>> image, text = paddle.randn([1, 16, 8]), paddle.randn([1, 3, 8])
+    >>> out = joint_attention(attn, image, text, math_attention, image_kv=image[:, ::4])
+    >>> [list(t.shape) for t in out]
+    [[1, 16, 8], [1, 3, 8]]
+    """
+    image_tokens = hidden_states.shape[1]
+    image_kv = hidden_states if image_kv is None else image_kv
+
+    # image stream first, text stream after it, in one sequence
+    query = paddle.concat([attn.to_q(hidden_states), attn.add_q_proj(encoder_hidden_states)], axis=1)
+    key = paddle.concat([attn.to_k(image_kv), attn.add_k_proj(encoder_hidden_states)], axis=1)
+    value = paddle.concat([attn.to_v(image_kv), attn.add_v_proj(encoder_hidden_states)], axis=1)
+    inner_dim = key.shape[-1]
+    head_dim = inner_dim // attn.heads
+    split_heads = [0, -1, attn.heads, head_dim]  # 0: the batch as it comes (a dynamic batch in a static graph)
+    query, key, value = query.reshape(split_heads), key.reshape(split_heads), value.reshape(split_heads)
+
+    joint = core(query, key, value)
+    joint = joint.reshape([0, -1, attn.heads * head_dim]).astype(query.dtype)
+
+    image, text = joint[:, :image_tokens], joint[:, image_tokens:]
+    image = attn.to_out[1](attn.to_out[0](image))  # projection, then the layer's dropout
+    if not attn.context_pre_only:
+        text = attn.to_add_out(text)
+    return image, text
+
+
+def downsampled_joint_attention(attn: Attention, hidden_states: paddle.Tensor, encoder_hidden_states: paddle.Tensor,
+                                image_kv: paddle.Tensor) -> Tuple[paddle.Tensor, paddle.Tensor]:
+    """ToDo on a joint attention layer: :func:`joint_attention` with the image keys and values from ``image_kv``
+    and the attention core of the layer's processor (:func:`attention_core`); refuses, by name, a processor whose
+    core is unknown."""
+    core = attention_core(attn.processor)
+    if core is None:
+        raise ValueError(f"method='todo' on SD3 runs the joint attention with the core of JointAttnProcessor2_5 or "
+                         f"JointMathAttnProcessor; this layer has {type(attn.processor).__name__}")
+    return joint_attention(attn, hidden_states, encoder_hidden_states, core, image_kv)
 
 
 def _layers_of(obj: Any) -> List[Tuple[str, paddle.nn.Layer]]:

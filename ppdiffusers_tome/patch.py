@@ -27,6 +27,7 @@ from .checkpoint import RecomputePlans
 from .config import ToMeConfig, check_ratio, ratio_at
 from .decision import OFF, POOLED, SKIPPED, BlockDecision, Settings, block_levels, decide, grid_of
 from .hooks import TENSOR_TYPES, BlockHook, ModelHook, SublayerHook
+from .joint_attention import attention_core
 from .ops.runtime import converting, device_kind, tracing
 from .planner import Planner
 from .registry import LOCK, add_hook, hooks_of, remove_hook
@@ -204,10 +205,13 @@ class ModelPatch:
             raise ValueError(f"merge_crossattn=True has no meaning on {name}: its joint attention runs the image and "
                              "text tokens in one sequence (merge_attn merges the image tokens before it); there is no "
                              "cross-attention to merge before. Leave merge_crossattn=False")
-        if self.settings.todo:
-            raise ValueError(f"method='todo' is not available on {name}: its joint attention computes the image "
-                             "stream's keys and values inside the attention processor, so they cannot be pooled "
-                             "from outside it. Use method='tome' (merge_attn, merge_mlp)")
+        if self.settings.todo:  # ToDo runs the joint attention with the core of the layer's processor
+            unknown = {f"{where}.attn": type(block.attn.processor).__name__ for where, block in blocks
+                       if isinstance(block, JointTransformerBlock) and attention_core(block.attn.processor) is None}
+            if unknown:
+                raise ValueError(f"method='todo' on {name} computes the joint attention with the attention core of "
+                                 "ppdiffusers' JointAttnProcessor2_5 or of JointMathAttnProcessor (use_math_attention); "
+                                 f"these layers have other processors: {unknown}")
 
     def _add_hooks(self) -> None:
         calls = model_calls(self.model, create=True)
@@ -223,7 +227,8 @@ class ModelPatch:
             for name, self_attention in self._sublayers(block):
                 sublayer = getattr(block, name, None)
                 if isinstance(sublayer, paddle.nn.Layer):
-                    add_hook(sublayer, NAME, SublayerHook(hook, self_attention))
+                    joint = isinstance(block, JointTransformerBlock)
+                    add_hook(sublayer, NAME, SublayerHook(hook, self_attention, joint=joint and name == "attn"))
 
     def _remove_hooks(self) -> None:
         for _, _, block in self.hooked:

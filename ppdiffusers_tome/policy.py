@@ -14,6 +14,9 @@
   vanilla in every table (docs/gpu.md). Any option that shapes the plan, set to other than its default
   (``match_window``, ``share_plan``, ``use_rand``, ``seed``, ``method``, ...), a ratio schedule or a ratio below
   :data:`POOL_MIN_RATIO` keeps the settings' plan: an option a user sets wins over the policy.
+* **SD3** (``JointTransformerBlock``, GPU kernels): the threshold is :data:`JOINT_MIN_WORK` and the policy never
+  pools; above it the settings' plan runs (ToMe's merge, or ToDo's downsampled image keys and values with
+  ``method="todo"``).
 
 A program traced with a dynamic batch cannot read its batch size: the decision then assumes
 :data:`ASSUMED_BATCH` (one image with classifier-free guidance), so it depends on shapes known when tracing only.
@@ -109,7 +112,8 @@ class Policy:
         self.name = config.policy
         self.auto = config.policy == "auto"
         self.min_work = config.min_work
-        # SD3's joint attention has no image keys and values of their own to pool: it merges where it pays
+        # SD3's joint attention: the settings' plan (ToMe, or ToDo with method="todo") where it pays; K/V pooling
+        # runs there too but no GPU measurement says it beats merging, so the policy does not choose it
         self.pools = self.auto and not joint and pools_by_default(config)
         self.merge_min_work = JOINT_MIN_WORK if joint else MERGE_MIN_WORK
         self._decisions: dict[tuple[str, int, int], Decision] = {}

@@ -1,0 +1,59 @@
+"""benchmarks/sd3_forward.py: the FLOP ceilings (ToDo's included), its configurations, and the eager operators of one
+SD3 block call per configuration (``--ops-per-block``), with a bound on what ToMe and ToDo add on the GPU kernels."""
+
+import json
+
+import pytest
+
+from ppdiffusers_tome.testing import tiny_sd3_transformer
+from tests.benchmark_scripts import load_benchmark
+
+
+@pytest.fixture(scope="module")
+def sd3_forward():
+    return load_benchmark("sd3_forward")
+
+
+@pytest.fixture(scope="module")
+def tiny_rows(sd3_forward):
+    """Operator counts of the tiny SD3 transformer's first (inner) block at 128 px: 64 image tokens, 7 text tokens.
+    The counts do not depend on the sizes (the 512² and 1024² rows of docs/gpu.md section 9 are the same)."""
+    rows = sd3_forward.block_op_rows(tiny_sd3_transformer(), 128, text_tokens=7)
+    return {(row["kernels"], row["configuration"]): row for row in rows}
+
+
+def test_todo_is_a_timed_configuration_with_its_own_flop_ceiling(sd3_forward):
+    assert sd3_forward.CONFIGS["ToDo, factor 2"] == {"method": "todo"}
+    todo = sd3_forward.flop_ceiling(4096, 384, 0.0, False, factor=2)
+    assert 1.0 < todo < sd3_forward.flop_ceiling(4096, 384, 0.5, True)  # queries and the MLP stay full
+    assert sd3_forward.flop_ceiling(4096, 384, 0.0, False) == 1.0
+
+
+def test_a_tome_sd3_block_on_gpu_kernels_adds_at_most_45_operators_and_todo_3(tiny_rows):
+    # Measured with 0.13.0 (Paddle 3.3, GPU kernels forced, a block call after another block of the same call):
+    # vanilla 87 operators; ToMe 0.5 on the attention adds 42: the plan (cosine similarity of the normed image tokens
+    # split into src and dst: 2 p_norm, divide, matmul, argmax, argsort, take_along_axis x3, a where_ over the
+    # non-finite scores, the dst counts with index_add) plus the merge before the attention (gather, index_add_,
+    # divide_, reshapes) and the unmerge after it (gather, scatter, reshapes); with the MLP too, 51 (the same plan,
+    # a second merge and unmerge). ToDo adds 3: reshape, strided slice, reshape (the joint attention it runs instead
+    # of the processor issues the processor's own operators).
+    vanilla = tiny_rows["gpu", "vanilla"]["ops"]
+    assert vanilla > 50  # a real block call was counted (the test can fail)
+    assert tiny_rows["gpu", "ToMe 0.5, attention"]["added"] <= 45
+    assert tiny_rows["gpu", "ToMe 0.5, attention + MLP"]["added"] <= 54
+    assert tiny_rows["gpu", "ToDo, factor 2"]["added"] <= 3
+    for kind in ("gpu", "cpu"):
+        for name in ("ToMe 0.5, attention", "ToMe 0.5, attention + MLP", "ToDo, factor 2"):
+            assert tiny_rows[kind, name]["added"] > 0 and tiny_rows[kind, name]["merges_per_call"] >= 1
+    assert tiny_rows["gpu", "ToDo, factor 2"]["by_name"].get("strided_slice") == 1
+
+
+def test_ops_per_block_mode_times_nothing_and_writes_json(sd3_forward, tmp_path, monkeypatch):
+    monkeypatch.setattr(sd3_forward, "narrow_sd3", lambda layers, width: tiny_sd3_transformer(num_layers=layers))
+    monkeypatch.setattr(sd3_forward, "measure", lambda *args: pytest.fail("--ops-per-block must not time"))
+    out = tmp_path / "ops.json"
+    sd3_forward.main(["--ops-per-block", "--sizes", "64", "--width", "64", "--output", str(out)])
+    written = json.loads(out.read_text())
+    assert {(row["kernels"], row["configuration"]) for row in written["rows"]} == {
+        (kind, name) for kind in ("gpu", "cpu") for name in sd3_forward.OPS_CONFIGS}
+    assert all(row["image_tokens"] == 16 for row in written["rows"])
