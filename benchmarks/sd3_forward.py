@@ -8,12 +8,12 @@ runs each configuration once (after one untimed forward each), in a rotated orde
 seconds and the range of the per-round speed-ups, the relative L2 distance of the output to vanilla's for each input
 seed (mean and spread), and the FLOP ceiling (image q/k/v/o and MLP, text q/k/v/o and MLP, joint attention; AdaLN
 and embeddings left out). With ``--loop-steps N`` it also times a whole N-step denoising loop per configuration
-(vanilla, ToMe 0.5 attention + MLP, cache 3, both) over ``--seeds`` seeds. With ``--ops-per-block`` it times
+(:data:`LOOP_CONFIGS`) over ``--seeds`` seeds (``--loop-only``: no forward table). With ``--ops-per-block`` it times
 nothing: it counts the eager operators of one ``JointTransformerBlock`` call (:func:`block_op_rows`) per
 configuration of :data:`OPS_CONFIGS`, with the GPU kernels forced and with the CPU's. Prints tables and writes JSON:
 
     bash run.sh python benchmarks/sd3_forward.py --sizes 512 1024 --layers 4 --output outputs/sd3_forward.json
-    bash run.sh python benchmarks/sd3_forward.py --sizes 512 --layers 24 --rounds 1 --seeds 2 --loop-steps 20 \
+    bash run.sh python benchmarks/sd3_forward.py --sizes 512 --layers 24 --seeds 2 --loop-steps 20 --loop-only \
         --output outputs/sd3_loop.json
     bash run.sh python benchmarks/sd3_forward.py --ops-per-block --sizes 512 1024 \
         --output outputs/sd3_ops_per_block.json
@@ -215,9 +215,11 @@ def print_op_rows(rows: List[Dict[str, Any]]) -> None:
 WIDTH = 384
 LOOP_CONFIGS: Dict[str, Dict[str, Any]] = {
     "vanilla": {},
+    "ToMe 0.5, attention": dict(tome=dict(ratio=0.5)),
     "ToMe 0.5, attention + MLP": dict(tome=dict(ratio=0.5, merge_mlp=True)),
+    "ToDo, factor 2": dict(tome=dict(method="todo")),
     "cache 3": dict(cache=dict(interval=3)),
-    "ToMe 0.5 + cache 3": dict(tome=dict(ratio=0.5, merge_mlp=True), cache=dict(interval=3)),
+    "ToMe 0.5, attention + MLP, + cache 3": dict(tome=dict(ratio=0.5, merge_mlp=True), cache=dict(interval=3)),
 }
 
 
@@ -282,6 +284,7 @@ def main(argv: List[str] | None = None) -> Dict[str, Any]:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--loop-steps", type=int, default=0,
                         help="also time a denoising loop of this many steps per configuration at the first size")
+    parser.add_argument("--loop-only", action="store_true", help="time only the loop of --loop-steps, no forward table")
     parser.add_argument("--ops-per-block", action="store_true",
                         help="count the eager operators of one block call per configuration instead of timing")
     parser.add_argument("--output")
@@ -301,9 +304,13 @@ def main(argv: List[str] | None = None) -> Dict[str, Any]:
                 json.dump(result, handle, indent=1)
         return result
     model = narrow_sd3(args.layers, args.width)
-    rows = [row for size in args.sizes for row in measure(size, model, args.rounds, args.seeds)]
-    print("| size | configuration | s / forward | speed-up (range) | FLOP ceiling | rel. L2 to vanilla (sd) |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    if args.loop_only and not args.loop_steps:
+        parser.error("--loop-only needs --loop-steps N (N >= 1)")
+    sizes = [] if args.loop_only else args.sizes
+    rows = [row for size in sizes for row in measure(size, model, args.rounds, args.seeds)]
+    if rows:
+        print("| size | configuration | s / forward | speed-up (range) | FLOP ceiling | rel. L2 to vanilla (sd) |")
+        print("| --- | --- | --- | --- | --- | --- |")
     for row in rows:
         low, high = row["speedup_range"]
         print(f"| {row['size']}² | {row['configuration']} | {row['seconds']:.2f} | {row['speedup']:.2f}× "

@@ -57,3 +57,19 @@ def test_ops_per_block_mode_times_nothing_and_writes_json(sd3_forward, tmp_path,
     assert {(row["kernels"], row["configuration"]) for row in written["rows"]} == {
         (kind, name) for kind in ("gpu", "cpu") for name in sd3_forward.OPS_CONFIGS}
     assert all(row["image_tokens"] == 16 for row in written["rows"])
+
+
+def test_loop_only_times_the_denoising_loop_and_no_forward_table(sd3_forward, monkeypatch, tmp_path):
+    timed = []
+    monkeypatch.setattr(sd3_forward, "measure", lambda *args: pytest.fail("the forward table ran"))
+    monkeypatch.setattr(sd3_forward, "LOOP_CONFIGS", {"vanilla": {}, "cache 3": dict(cache=dict(interval=3))})
+    real_denoise = sd3_forward.denoise
+    monkeypatch.setattr(sd3_forward, "denoise", lambda *args: timed.append(args[1:]) or real_denoise(*args))
+    output = tmp_path / "loop.json"
+    result = sd3_forward.main(["--sizes", "64", "--layers", "3", "--width", "64", "--loop-steps", "3", "--loop-only",
+                               "--seeds", "1", "--output", str(output)])
+    assert result["rows"] == [] and [row["configuration"] for row in result["loop"]] == ["vanilla", "cache 3"]
+    assert timed == [(64, 3, 0), (64, 3, 0)]
+    assert json.loads(output.read_text())["loop"][1]["speedup"] > 0
+    with pytest.raises(SystemExit):
+        sd3_forward.main(["--loop-only"])  # nothing to time
