@@ -11,12 +11,12 @@ about twenty operators more than grid windows (two small products against the ce
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import numpy as np
 import paddle
 
-from .cache import CACHE, batch_tables, const
+from .cache import CACHE, Tables, batch_tables, const
 from .partition import Layout, pick_partitions
 from .runtime import KERNELS, argsort_rows, dtype_name, tracing
 from .similarity import normalize_rows, similarity_dtype
@@ -117,12 +117,15 @@ def feature_partition_table(
     return pick_partitions(windows(int(h), int(w), int(wy), int(wx), int(sx), int(sy)), step, seed, blocks)
 
 
-class FeatureTables(NamedTuple):
+class FeatureTables(Tables):
     """Constant index tables of feature order on one layout (cached per place)."""
 
-    ranked: paddle.Tensor  # [N] the window-major partition slots of every src, then of every dst
-    window_major: paddle.Tensor  # [N] the slots of a [src runs | dst runs] order that make up each window
-    dst_after_src: paddle.Tensor  # [1, N, 1] the key shift that sorts every dst after every src
+    __slots__ = ("ranked", "window_major", "dst_after_src")
+
+    def __init__(self, ranked: paddle.Tensor, window_major: paddle.Tensor, dst_after_src: paddle.Tensor) -> None:
+        self.ranked = ranked  # [N] the window-major partition slots of every src, then of every dst
+        self.window_major = window_major  # [N] the slots of a [src runs | dst runs] order that make up each window
+        self.dst_after_src = dst_after_src  # [1, N, 1] the key shift that sorts every dst after every src
 
 
 def _feature_tables(win: Layout) -> FeatureTables:

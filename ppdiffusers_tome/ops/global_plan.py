@@ -16,12 +16,12 @@ on GPU kernels), which sums each group as the difference of two float64 running 
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, NamedTuple, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import paddle
 import paddle.nn.functional as F
 
-from .cache import batch_tables
+from .cache import Tables, batch_tables
 from .partition import GeneratorLike, cell_count, generator_seed, layout, partition_table
 from .runtime import KERNELS, argsort_rows, compute_dtype, device_kind, dtype_name
 from .similarity import best_dst
@@ -287,15 +287,19 @@ class GroupMergePlan(MergePlan):
 
 
 # per-batch tables ----------------------------------------------------------------------------------------------------
-class BatchTables(NamedTuple):
+class BatchTables(Tables):
     """Row tables a global plan of ``B`` items needs (see :func:`~ppdiffusers_tome.ops.cache.batch_tables`)."""
 
-    off_n: paddle.Tensor  # [B, 1] first row of each item in the input
-    off_dst: paddle.Tensor  # [B, 1] row of each item's first dst in the merged output
-    rows_m: paddle.Tensor  # [B, M] every merged row
-    zeros_n: paddle.Tensor  # [B*N] int64 base of the unmerge scatter
-    zeros_m: paddle.Tensor  # [B*M, 1] float32 base of the group counts
-    ones_n: paddle.Tensor  # [B*N, 1] float32 the ones they count
+    __slots__ = ("off_n", "off_dst", "rows_m", "zeros_n", "zeros_m", "ones_n")
+
+    def __init__(self, off_n: paddle.Tensor, off_dst: paddle.Tensor, rows_m: paddle.Tensor, zeros_n: paddle.Tensor,
+                 zeros_m: paddle.Tensor, ones_n: paddle.Tensor) -> None:
+        self.off_n = off_n  # [B, 1] first row of each item in the input
+        self.off_dst = off_dst  # [B, 1] row of each item's first dst in the merged output
+        self.rows_m = rows_m  # [B, M] every merged row
+        self.zeros_n = zeros_n  # [B*N] int64 base of the unmerge scatter
+        self.zeros_m = zeros_m  # [B*M, 1] float32 base of the group counts
+        self.ones_n = ones_n  # [B*N, 1] float32 the ones they count
 
 
 def _build_batch_tables(count: Any, num_tokens: int, merged_tokens: int, kept: int) -> BatchTables:
@@ -310,11 +314,14 @@ def _build_batch_tables(count: Any, num_tokens: int, merged_tokens: int, kept: i
     )
 
 
-class GroupTables(NamedTuple):
+class GroupTables(Tables):
     """Per-batch tables of the group merge (:class:`GroupMergePlan`)."""
 
-    dst_keys: paddle.Tensor  # [B, Nd] 2d: the sort key of dst d
-    last: paddle.Tensor  # [B, 1] b * length - 1: turns an item's group end count into a flat row
+    __slots__ = ("dst_keys", "last")
+
+    def __init__(self, dst_keys: paddle.Tensor, last: paddle.Tensor) -> None:
+        self.dst_keys = dst_keys  # [B, Nd] 2d: the sort key of dst d
+        self.last = last  # [B, 1] b * length - 1: turns an item's group end count into a flat row
 
 
 def _group_batch_tables(batch: int, num_dst: int, length: int, like: paddle.Tensor) -> GroupTables:

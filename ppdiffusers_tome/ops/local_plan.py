@@ -21,13 +21,13 @@ dst in position order).
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import paddle
 import paddle.nn.functional as F
 from paddle import _C_ops
 
-from .cache import CACHE, batch_tables
+from .cache import CACHE, Tables, batch_tables
 from .feature_order import match_feature_windows
 from .global_plan import MergePlan
 from .partition import Layout
@@ -252,22 +252,28 @@ def put_along(arr: paddle.Tensor, indices: paddle.Tensor, values: paddle.Tensor)
     return paddle.put_along_axis(arr, indices, values, axis=1)  # pragma: no cover - the legacy static graph
 
 
-class LocalTables(NamedTuple):
+class LocalTables(Tables):
     """Per-batch tables of a local plan of ``B`` items on ``W`` windows of ``T`` tokens (``Mw`` merged rows each)."""
 
-    repeat: Any  # [B, 1]: the tiling of a partition over the batch
-    rows: paddle.Tensor  # [B*W, Mw] every merged row of a window
-    zeros: paddle.Tensor  # [B*W, T] int64 base of the scatters
-    offsets: paddle.Tensor  # [B*W, 1] first merged row of every window
-    zeros_m: paddle.Tensor  # [B*W*Mw, 1] float32 base of the group counts
-    ones_n: paddle.Tensor  # [B*W*T, 1] float32 the ones they count
-    # feature order: the window-local slot of every dst, the item of every place of an item's window layout, every
-    # place's number, the first window row of every item, and T
-    dst_slots: paddle.Tensor  # [B*W, Nd_w]
-    items: paddle.Tensor  # [B, W*T]
-    slots: paddle.Tensor  # [B, W*T]
-    window_of_item: paddle.Tensor  # [B, W*T]
-    size: paddle.Tensor  # 0-d int64
+    __slots__ = ("repeat", "rows", "zeros", "offsets", "zeros_m", "ones_n", "dst_slots", "items", "slots",
+                 "window_of_item", "size")
+
+    def __init__(self, repeat: Any, rows: paddle.Tensor, zeros: paddle.Tensor, offsets: paddle.Tensor,
+                 zeros_m: paddle.Tensor, ones_n: paddle.Tensor, dst_slots: paddle.Tensor, items: paddle.Tensor,
+                 slots: paddle.Tensor, window_of_item: paddle.Tensor, size: paddle.Tensor) -> None:
+        self.repeat = repeat  # [B, 1]: the tiling of a partition over the batch
+        self.rows = rows  # [B*W, Mw] every merged row of a window
+        self.zeros = zeros  # [B*W, T] int64 base of the scatters
+        self.offsets = offsets  # [B*W, 1] first merged row of every window
+        self.zeros_m = zeros_m  # [B*W*Mw, 1] float32 base of the group counts
+        self.ones_n = ones_n  # [B*W*T, 1] float32 the ones they count
+        # feature order: the window-local slot of every dst, the item of every place of an item's window layout, every
+        # place's number, the first window row of every item, and T
+        self.dst_slots = dst_slots  # [B*W, Nd_w]
+        self.items = items  # [B, W*T]
+        self.slots = slots  # [B, W*T]
+        self.window_of_item = window_of_item  # [B, W*T]
+        self.size = size  # 0-d int64
 
 
 def _local_tables(batch: int, win: Layout, m_w: int, like: paddle.Tensor) -> LocalTables:

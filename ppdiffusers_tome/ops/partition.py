@@ -15,12 +15,12 @@ from __future__ import annotations
 import functools
 import math
 import random
-from typing import Any, NamedTuple, Optional, Tuple, Union
+from typing import Any, Optional, Tuple, Union
 
 import numpy as np
 import paddle
 
-from .cache import CACHE, const
+from .cache import CACHE, Tables, const
 from .runtime import dtype_name
 
 __all__ = ["VARIANTS", "Layout", "LayoutTables", "draw_dst", "find_downsample", "grid_partition", "layout", "max_ratio",
@@ -114,12 +114,15 @@ def variant_index(step: paddle.Tensor, seed: int, rows: int) -> paddle.Tensor:
     return paddle.remainder(step * c.step + c.salts, c.variants)
 
 
-class VariantConstants(NamedTuple):
+class VariantConstants(Tables):
     """The device constants of :func:`variant_index`."""
 
-    step: paddle.Tensor  # the step multiplier
-    salts: paddle.Tensor  # [rows] every block row's salt
-    variants: paddle.Tensor  # VARIANTS
+    __slots__ = ("step", "salts", "variants")
+
+    def __init__(self, step: paddle.Tensor, salts: paddle.Tensor, variants: paddle.Tensor) -> None:
+        self.step = step  # the step multiplier
+        self.salts = salts  # [rows] every block row's salt
+        self.variants = variants  # VARIANTS
 
 
 def _variant_constants(seed_salt: int, rows: int) -> VariantConstants:
@@ -137,13 +140,17 @@ def draw_dst(cell_of: np.ndarray, slot_of: np.ndarray, cells: int, slots: int, k
 
 
 # the layout ----------------------------------------------------------------------------------------------------------
-class LayoutTables(NamedTuple):
+class LayoutTables(Tables):
     """The device tables of a :class:`Layout` (cached per place by :meth:`Layout.tensors`)."""
 
-    order: paddle.Tensor  # [W, T] grid position of every window's tokens, row-major inside a window
-    flat_order: paddle.Tensor  # [N] the same, flattened: window-major token order
-    inverse: paddle.Tensor  # [N] window-major index of every grid position
-    top_left: paddle.Tensor  # [N] the top-left partition as grid positions: every window's src, then its dst
+    __slots__ = ("order", "flat_order", "inverse", "top_left")
+
+    def __init__(self, order: paddle.Tensor, flat_order: paddle.Tensor, inverse: paddle.Tensor,
+                 top_left: paddle.Tensor) -> None:
+        self.order = order  # [W, T] grid position of every window's tokens, row-major inside a window
+        self.flat_order = flat_order  # [N] the same, flattened: window-major token order
+        self.inverse = inverse  # [N] window-major index of every grid position
+        self.top_left = top_left  # [N] the top-left partition as grid positions: every window's src, then its dst
 
 
 class Layout:
