@@ -50,6 +50,11 @@ class Kernels:
     def __repr__(self) -> str:
         return f"Kernels({self.name!r})"
 
+    def __reduce__(self) -> str:
+        # pickled and copied as a reference to the module's object: there is one family of each kind, so
+        # ``KERNELS[family]`` (an identity lookup) keeps working on an unpickled plan
+        return f"{self.name.upper()}_KERNELS"
+
 
 CPU_KERNELS, GPU_KERNELS = Kernels("cpu", False), Kernels("gpu", True)
 # the family of a name, or of itself: ``KERNELS[kind]`` takes either, at the cost of a dictionary lookup
