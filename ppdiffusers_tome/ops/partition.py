@@ -150,7 +150,7 @@ class LayoutTables(Tables):
         self.order = order  # [W, T] grid position of every window's tokens, row-major inside a window
         self.flat_order = flat_order  # [N] the same, flattened: window-major token order
         self.inverse = inverse  # [N] window-major index of every grid position
-        self.top_left = top_left  # [N] the top-left partition as grid positions: every window's src, then its dst
+        self.top_left = top_left  # [N] the top-left partition as grid positions (src of every window, then dst)
 
 
 class Layout:
@@ -263,8 +263,7 @@ def pick_partitions(layout: Layout, step: Optional[paddle.Tensor], seed: int, bl
     rows = max(int(blocks), 2)
     if step is None or layout.num_dst == 0:
         return CACHE.get(("top_left_rows", local, rows) + layout.key, _top_left_rows, layout, local, rows)
-    variants = CACHE.get(("variants", local, int(seed)) + layout.key, _variants, layout, local, int(seed))
-    return paddle.gather(variants, variant_index(step, seed, rows))
+    return paddle.gather(layout.variants(seed, local), variant_index(step, seed, rows))
 
 
 def _variants(layout: Layout, local: bool, seed: int) -> paddle.Tensor:
