@@ -4,7 +4,9 @@ K/V pooling and ToDo get a :class:`~ppdiffusers_tome.ops.downsample.DownsamplePl
 differing in factor and mode). A merge gets, in this order: the plan an earlier block of the same call made at the
 same token count (``share_plan="level"``), the plan kept from an earlier step for this block and call site
 (``recompute_every``), or a new plan: matching inside windows (``match_window``) or over the whole grid. The random
-partitions are drawn once per call and grid for every block at once, on the device, from the timestep tensor.
+partitions are drawn once per call and grid for every block at once, on the device, from the timestep tensor (one
+picker, :func:`~ppdiffusers_tome.ops.partition.pick_partitions`, over the grid's or the windows'
+:class:`~ppdiffusers_tome.ops.partition.Layout`). Plans run on the call's kernel family, found once per call.
 """
 
 from __future__ import annotations
@@ -14,11 +16,10 @@ from typing import Any, Optional
 from .config import ToMeConfig, tokens_to_merge
 from .decision import MERGE, POOLED, TODO, BlockDecision, finest_block_level
 from .ops.downsample import DownsamplePlan
-from .ops.feature_order import feature_partition_table
 from .ops.global_plan import MergePlan, bipartite_soft_matching_random2d
 from .ops.local_plan import LocalMergePlan
-from .ops.partition import partition_table, step_key
-from .ops.windows import window_partition_table, window_sides
+from .ops.partition import layout, pick_partitions, step_key
+from .ops.windows import window_sides, windows
 from .state import CallRecord, Counters, PlanCache
 
 __all__ = ["Planner", "finest_block_level"]
@@ -90,7 +91,7 @@ class Planner:
         partition = self.partition(block_index, grid_h, grid_w, call) if config.use_rand and cells else None
         return bipartite_soft_matching_random2d(
             hidden, grid_w, grid_h, config.sx, config.sy, r, no_rand=True, partition=partition,
-            deterministic=config.deterministic,
+            kind=call.kernels if call is not None else None, deterministic=config.deterministic,
         )
 
     def local_plan(self, block_index: int, hidden: Any, grid_h: int, grid_w: int, ratio: float,
@@ -102,8 +103,8 @@ class Planner:
         cells = (wy // config.sy) * (wx // config.sx)
         window_r = min(tokens_to_merge(wy * wx, ratio), wy * wx - cells)
         partition = self.window_partition(block_index, grid_h, grid_w, wy, wx, call)
-        windows = (grid_h, grid_w, wy, wx, config.sx, config.sy)
-        return LocalMergePlan.from_matching(hidden, windows, partition, window_r, order=config.match_order)
+        spec = (grid_h, grid_w, wy, wx, config.sx, config.sy)
+        return LocalMergePlan.from_matching(hidden, spec, partition, window_r, call.kernels, config.match_order)
 
     # partitions: one table per call and grid, for every block at once ----------------------------------------------
     def partition(self, block_index: int, grid_h: int, grid_w: int, call: CallRecord) -> Any:
@@ -113,7 +114,7 @@ class Planner:
         table = partitions[key] if key in partitions else None
         if table is None:
             config = self.config
-            table = partition_table(grid_h, grid_w, config.sx, config.sy, self._step_key(call), config.seed,
+            table = pick_partitions(layout(grid_h, grid_w, config.sx, config.sy), self._step_key(call), config.seed,
                                     self.num_blocks)
             partitions[key] = table
         return table[block_index]
@@ -127,8 +128,8 @@ class Planner:
         table = partitions[key] if key in partitions else None
         if table is None:
             step = self._step_key(call) if config.use_rand else None
-            make = feature_partition_table if config.match_order == "feature" else window_partition_table
-            table = make(grid_h, grid_w, wy, wx, config.sx, config.sy, step, config.seed, self.num_blocks)
+            table = pick_partitions(windows(grid_h, grid_w, wy, wx, config.sx, config.sy), step, config.seed,
+                                    self.num_blocks, local=config.match_order != "feature")
             partitions[key] = table
         return table[block_index]
 

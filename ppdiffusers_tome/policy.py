@@ -30,7 +30,7 @@ from dataclasses import fields
 from typing import Any
 
 from .config import ToMeConfig
-from .ops.runtime import device_kind, tracing
+from .ops.runtime import KERNELS, device_kind, tracing
 
 __all__ = ["ASSUMED_BATCH", "JOINT_MIN_WORK", "MERGE_MIN_WORK", "POOL_MIN_RATIO", "POOL_MIN_WORK", "Decision", "Policy",
            "pools_by_default"]
@@ -138,10 +138,12 @@ class Policy:
         work = (batch if batch >= 0 else ASSUMED_BATCH) * tokens * tokens
         if not self.auto:
             return Decision(MERGE, kernels, batch, tokens, work, 0, self.name)
-        pools = kernels == "gpu" and self.pools
+        # where every operator is a kernel launch (the GPU family), a small block costs more than merging saves
+        launch_bound = KERNELS[kernels].few_launches
+        pools = launch_bound and self.pools
         if self.min_work is not None:
             threshold = self.min_work
-        elif kernels == "gpu":
+        elif launch_bound:
             threshold = POOL_MIN_WORK if pools else self.merge_min_work
         else:
             threshold = 0

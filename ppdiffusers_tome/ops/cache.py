@@ -9,24 +9,40 @@ from __future__ import annotations
 import threading
 import warnings
 from collections import OrderedDict
-from typing import Any, Callable, Dict, Sequence
+from typing import Any, Callable, Dict, List, Sequence
 
 import numpy as np
 import paddle
 
 from .runtime import EAGER, tracing
 
-__all__ = ["CACHE", "DEFAULT_CACHE_BYTES", "DeviceCache", "batch_tables", "cache_info", "clear_cache", "clear_table_cache", "const",
-           "constant", "table_cache_info"]
+__all__ = ["CACHE", "DEFAULT_CACHE_BYTES", "DeviceCache", "Tables", "batch_tables", "cache_info", "clear_cache",
+           "clear_table_cache", "const", "constant", "table_cache_info"]
 
 DEFAULT_CACHE_BYTES = 64 * 2**20  # device memory the cache may hold; a table larger than this is built at each use
 _MISSING = object()
 
 
+class Tables:
+    """Base of the merge core's typed tables: a plain object whose fields, listed in the subclass's ``__slots__``,
+    its constructor sets once; read by name (``b.off_n``). Not a NamedTuple: when Paddle's SOT tracer resumes a
+    function after a graph break, a NamedTuple built during its simulation comes back as a bare tuple (a plain
+    object comes back as itself)."""
+
+    __slots__ = ()
+
+    def values(self) -> List[Any]:
+        """The fields' values, in ``__slots__`` order."""
+        return [getattr(self, name) for name in self.__slots__]
+
+
 def _nbytes(value: Any) -> int:
-    """Device bytes held by a cached value (a tensor, or a dict / tuple / list of them; other values count 0)."""
+    """Device bytes held by a cached value (a tensor, or :class:`Tables` / dict / tuple / list of them; other values
+    count 0)."""
     if isinstance(value, paddle.Tensor):
         return int(np.prod(value.shape, dtype=np.int64)) * value.element_size()
+    if isinstance(value, Tables):
+        return sum(_nbytes(item) for item in value.values())
     if isinstance(value, dict):
         return sum(_nbytes(item) for item in value.values())
     if isinstance(value, (tuple, list)):

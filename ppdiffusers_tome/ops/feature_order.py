@@ -11,24 +11,24 @@ about twenty operators more than grid windows (two small products against the ce
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import numpy as np
 import paddle
 
-from .cache import CACHE, batch_tables, const
-from .partition import variant_index
-from .runtime import argsort_rows, dtype_name, tracing
+from .cache import CACHE, Tables, batch_tables, const
+from .partition import Layout, pick_partitions
+from .runtime import KERNELS, argsort_rows, dtype_name, tracing
 from .similarity import normalize_rows, similarity_dtype
-from .windows import Windows, best_in_windows, windows
+from .windows import best_in_windows, windows
 
-__all__ = ["cluster_keys", "feature_partition_table", "match_feature_windows", "tile_sides"]
+__all__ = ["FeatureTables", "cluster_keys", "feature_partition_table", "match_feature_windows", "tile_sides"]
 
 
 MAX_CLUSTERS = 64  # centroids at most: the [B, N, K] scores against them stay as large as the windows' similarity
 
 
-def tile_sides(win: Windows) -> Tuple[int, int]:
+def tile_sides(win: Layout) -> Tuple[int, int]:
     """The tiles whose means are the centroids: the windows, halved on both sides while both sides are even and the
     tile count stays within :data:`MAX_CLUSTERS` (so tiles always divide the grid, and small windows, which hold
     few distinct contents, get finer tiles).
@@ -43,7 +43,7 @@ def tile_sides(win: Windows) -> Tuple[int, int]:
     return ty, tx
 
 
-def cluster_keys(metric: paddle.Tensor, win: Windows, kind: str = "cpu") -> paddle.Tensor:
+def cluster_keys(metric: paddle.Tensor, win: Layout, kind: Any = "cpu") -> paddle.Tensor:
     """``[B, N, 1]`` int64: for every token, the place of its cluster when the clusters are ordered by their centroid's
     cosine with the mean token. A token's cluster is the centroid it points closest to (the largest dot product with
     the unit centroid; a token's own length does not change which one); tokens of one cluster share a key, and
@@ -61,7 +61,7 @@ def cluster_keys(metric: paddle.Tensor, win: Windows, kind: str = "cpu") -> padd
     return paddle.take_along_axis(place, cluster, axis=1, broadcast=False)  # [B, N, 1]
 
 
-def match_feature_windows(metric: paddle.Tensor, win: Windows, partition: paddle.Tensor, kind: str
+def match_feature_windows(metric: paddle.Tensor, win: Layout, partition: paddle.Tensor, kind: Any
                           ) -> Tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor]:
     """Like :func:`~ppdiffusers_tome.ops.windows.match_windows`, with the windows cut along the features (see the
     module docstring).
@@ -76,22 +76,22 @@ def match_feature_windows(metric: paddle.Tensor, win: Windows, partition: paddle
     t = _feature_tables(win)
     ranked = partition  # [N]: grid positions of every window's src, then of every window's dst
     if partition.ndim == 2:  # a window-local partition [W, T]
-        positions = paddle.take_along_axis(win.tensors()["order"], partition, axis=1, broadcast=False).reshape([-1])
-        ranked = paddle.gather(positions, t["ranked"])
+        positions = paddle.take_along_axis(win.tensors().order, partition, axis=1, broadcast=False).reshape([-1])
+        ranked = paddle.gather(positions, t.ranked)
     # sort key in rank order: the token's cluster's place, the dst after every src; a stable sort keeps rank order
     # inside a cluster
-    key = paddle.gather(cluster_keys(metric, win, kind), ranked, axis=1) + t["dst_after_src"]  # [B, N, 1]
+    key = paddle.gather(cluster_keys(metric, win, kind), ranked, axis=1) + t.dst_after_src  # [B, N, 1]
     order = argsort_rows(key, kind, axis=1)
     # every item's grid positions sorted: its runs of src, then its runs of dst
     runs = paddle.gather(ranked, order.reshape([-1])).reshape([-1, tokens])  # [B, N]
-    layout = paddle.gather(runs, t["window_major"], axis=1)  # [B, N]: window by window, src first, then dst
+    layout = paddle.gather(runs, t.window_major, axis=1)  # [B, N]: window by window, src first, then dst
     # the rows of [B*N, C] of every item's src, then of every item's dst: gathered at once (the one token-sized
     # buffer), then cut in two along its first axis (views, no copy)
     batch = -1 if tracing() else int(metric.shape[0])
     rows = paddle.gather((runs + _item_offsets(batch, tokens, runs)).reshape([-1]), _src_then_dst(batch, win, runs))
     tokens_in_order = paddle.gather(metric.reshape([-1, channels]), rows)
     src_rows = (paddle.shape(metric)[0] if batch < 0 else batch) * (win.count * win.num_src)
-    if kind == "gpu":  # normalised in place at once
+    if KERNELS[kind].few_launches:  # normalised in place at once
         unit = normalize_rows(tokens_in_order, kind, in_place=True)
         src, dst = unit[:src_rows], unit[src_rows:]
     else:  # a CPU squares the rows it normalises: half by half, its temporary stays below the buffer's size
@@ -106,37 +106,33 @@ def feature_partition_table(
 ) -> paddle.Tensor:
     """:func:`~ppdiffusers_tome.ops.windows.window_partition_table` in the form feature order reads: an int64
     ``[max(blocks, 2), N]`` tensor whose rows list the grid positions of every window's src, window by window, then
-    of every window's dst (the same partitions, one gather per call).
+    of every window's dst (the same partitions: :func:`~ppdiffusers_tome.ops.partition.pick_partitions` in the
+    grid-position form).
 
     >>> from ppdiffusers_tome.ops.partition import step_key
     >>> table = feature_partition_table(8, 8, 4, 4, 2, 2, step_key(999), seed=0, blocks=1)
     >>> list(table.shape), sorted(table[0].numpy().tolist()) == list(range(64))
     ([2, 64], True)
     """
-    win = windows(int(h), int(w), int(wy), int(wx), int(sx), int(sy))
-    rows = max(int(blocks), 2)
-    if step is None or win.num_dst == 0:
-        key = ("feature_top_left", win.h, win.w, win.wy, win.wx, win.sx, win.sy)
-        top_left = CACHE.get(key, _ranked_tensor, win, None)
-        return paddle.expand(top_left, [rows, win.count * win.size])
-    key = ("feature_variants", win.h, win.w, win.wy, win.wx, win.sx, win.sy, int(seed))
-    variants = CACHE.get(key, _ranked_tensor, win, int(seed))
-    return paddle.gather(variants, variant_index(step, seed, rows))
+    return pick_partitions(windows(int(h), int(w), int(wy), int(wx), int(sx), int(sy)), step, seed, blocks)
 
 
-def _ranked_tensor(win: Windows, seed: Optional[int]) -> paddle.Tensor:
-    # a module function, not a closure: Paddle's SOT tracer cannot read a lambda's cells
-    return const(win.ranked(win.local_partitions(seed)))
+class FeatureTables(Tables):
+    """Constant index tables of feature order on one layout (cached per place)."""
+
+    __slots__ = ("ranked", "window_major", "dst_after_src")
+
+    def __init__(self, ranked: paddle.Tensor, window_major: paddle.Tensor, dst_after_src: paddle.Tensor) -> None:
+        self.ranked = ranked  # [N] the window-major partition slots of every src, then of every dst
+        self.window_major = window_major  # [N] the slots of a [src runs | dst runs] order that make up each window
+        self.dst_after_src = dst_after_src  # [1, N, 1] the key shift that sorts every dst after every src
 
 
-def _feature_tables(win: Windows) -> Dict[str, paddle.Tensor]:
-    return CACHE.get(("feature", win.h, win.w, win.wy, win.wx, win.sx, win.sy), _build_feature_tables, win)
+def _feature_tables(win: Layout) -> FeatureTables:
+    return CACHE.get(("feature",) + win.key, _build_feature_tables, win)
 
 
-def _build_feature_tables(win: Windows) -> Dict[str, paddle.Tensor]:
-    """Constant index tables of feature order on one grid: ``ranked`` (the window-major partition slots of every
-    src, then of every dst), ``window_major`` (the slots of a [src runs | dst runs] order that make up each window,
-    src first, then dst) and ``dst_after_src`` (the key shift that sorts every dst after every src)."""
+def _build_feature_tables(win: Layout) -> FeatureTables:
     count, ns_w, nd_w = win.count, win.num_src, win.num_dst
     slots = np.arange(count * win.size).reshape(count, win.size)
     ranked = np.concatenate([slots[:, :ns_w].reshape(-1), slots[:, ns_w:].reshape(-1)])
@@ -146,10 +142,10 @@ def _build_feature_tables(win: Windows) -> Dict[str, paddle.Tensor]:
     ty, tx = tile_sides(win)
     clusters = (win.h // ty) * (win.w // tx)
     shift = np.concatenate([np.zeros(count * ns_w), np.full(count * nd_w, clusters)])[None, :, None]
-    return {"ranked": const(ranked), "window_major": const(window_major), "dst_after_src": const(shift)}
+    return FeatureTables(ranked=const(ranked), window_major=const(window_major), dst_after_src=const(shift))
 
 
-def _src_then_dst(batch: int, win: Windows, like: paddle.Tensor) -> paddle.Tensor:
+def _src_then_dst(batch: int, win: Layout, like: paddle.Tensor) -> paddle.Tensor:
     """``[B*N]`` int64: the places of a flattened ``[B, N]`` table of src runs then dst runs (per item) that list
     every item's src, then every item's dst (cached per batch size; from the runtime shape of ``like``, ``[B,
     ...]``, while tracing a dynamic batch)."""

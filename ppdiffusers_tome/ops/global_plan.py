@@ -16,14 +16,14 @@ on GPU kernels), which sums each group as the difference of two float64 running 
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import paddle
 import paddle.nn.functional as F
 
-from .cache import batch_tables
-from .partition import GeneratorLike, cell_count, generator_seed, grid, partition_table
-from .runtime import argsort_rows, compute_dtype, device_kind, dtype_name
+from .cache import Tables, batch_tables
+from .partition import GeneratorLike, cell_count, generator_seed, layout, partition_table
+from .runtime import KERNELS, argsort_rows, compute_dtype, device_kind, dtype_name
 from .similarity import best_dst
 
 __all__ = ["GroupMergePlan", "MergePlan", "bipartite_soft_matching_random2d"]
@@ -36,8 +36,9 @@ class MergePlan:
 
     Every plan kind of the package has this interface: ``merge(x, mode)``, ``unmerge(y)``, and the attributes
     ``r`` (tokens removed per item), ``num_tokens`` (N), ``merged_tokens`` (N - r), ``batch_size`` (B, ``-1``
-    while tracing a dynamic batch), ``is_identity`` (``r == 0``: both are identities) and ``kind`` (the kernel
-    family it was built for). It unpacks as ``merge, unmerge = plan``.
+    while tracing a dynamic batch), ``is_identity`` (``r == 0``: both are identities), ``kernels`` (the
+    :class:`~ppdiffusers_tome.ops.runtime.Kernels` it was built for) and ``kind`` (that family's name). It unpacks
+    as ``merge, unmerge = plan``. A plan is complete once constructed: nothing assigns its fields afterwards.
 
     This class applies a plan with two row tables over the ``B*N`` input rows: ``unmerge_rows`` (the merged row
     each input row ends in) and ``row_scale`` (``1/(1+k)`` for a row of a group of ``1+k``). A plan from global
@@ -52,17 +53,22 @@ class MergePlan:
     (10, [2, 16, 8])
     """
 
-    def __init__(self, num_tokens: int, batch_size: int, r: int = 0, kind: str = "cpu", deterministic: bool = False):
+    def __init__(self, num_tokens: int, batch_size: int, r: int = 0, kind: Any = "cpu", deterministic: bool = False,
+                 partition: Optional[paddle.Tensor] = None, num_src: int = 0, order: Optional[paddle.Tensor] = None,
+                 best_dst_slot: Optional[paddle.Tensor] = None):
+        """A plan is complete once made: with ``order`` (the sorted src slots, ``[B, N]``: see :meth:`from_matching`)
+        and ``best_dst_slot`` its tables are built here; without, it is an identity of ``num_tokens`` tokens."""
         self.num_tokens = int(num_tokens)
         self.batch_size = int(batch_size)
         self.r = max(int(r), 0)
-        self.kind = kind
+        self.kernels = KERNELS[kind]  # the kernel family (a Kernels, or its name)
+        self.kind = self.kernels.name
         self.deterministic = bool(deterministic)
         # plain attributes: every block call reads them
         self.is_identity = self.r <= 0
         self.merged_tokens = self.num_tokens - self.r
-        self.num_src = 0
-        self.partition: Optional[paddle.Tensor] = None  # [N] grid positions in partition order
+        self.num_src = int(num_src)
+        self.partition = partition  # [N] grid positions in partition order
         self.merged_idx: Optional[paddle.Tensor] = None  # [B, r] partition slot of each merged src
         self.merged_dst: Optional[paddle.Tensor] = None  # [B, r] dst slot it joined
         self.unmerge_rows: Optional[paddle.Tensor] = None  # [B*N] merged row of every input row
@@ -71,31 +77,30 @@ class MergePlan:
         self.merge_targets: Optional[paddle.Tensor] = None  # [B*r] the merged row (its dst's) each one is added to
         self.counts: Optional[paddle.Tensor] = None  # [B*M, 1] float32 group sizes 1 + k
         self.row_scale: Optional[paddle.Tensor] = None  # [B*N, 1] float32 1 / (1 + k) of every input row
+        if order is not None:
+            self._build(order, best_dst_slot)
 
     @classmethod
     def from_matching(
-        cls, metric: paddle.Tensor, partition: paddle.Tensor, num_src: int, r: int, kind: Optional[str] = None,
+        cls, metric: paddle.Tensor, partition: paddle.Tensor, num_src: int, r: int, kind: Any = None,
         deterministic: bool = False,
     ) -> "MergePlan":
         """Match the src of ``partition`` (``[N]`` grid positions: ``num_src`` src, then the dst) to their most
         similar dst by cosine similarity of ``metric`` (``[B, N, C]``) and plan the merge of the ``r`` src with the
-        highest similarity into their dst (``0 < r <= num_src``). ``deterministic=True`` on GPU kernels gives a
-        :class:`GroupMergePlan` (no float atomics); the CPU kernels are deterministic either way."""
-        kind = kind or device_kind(metric)
-        plan_type = GroupMergePlan if kind == "gpu" and deterministic else MergePlan
+        highest similarity into their dst (``0 < r <= num_src``). ``kind`` (a kernel family or its name) defaults
+        to ``metric``'s place. ``deterministic=True`` on GPU kernels gives a :class:`GroupMergePlan` (no float
+        atomics); the CPU kernels are deterministic either way."""
+        family = KERNELS[kind or device_kind(metric)]
+        plan_type = GroupMergePlan if family.atomic_adds and deterministic else MergePlan
         num_tokens, batch = int(metric.shape[1]), int(metric.shape[0])
-        plan = plan_type(num_tokens, batch, r, kind, deterministic)
-        plan.partition, plan.num_src = partition, int(num_src)
-        num_dst = num_tokens - num_src
         with paddle.no_grad():
-            best, best_dst_slot = best_dst(metric.detach(), partition, plan.num_src, kind)
+            best, best_dst_slot = best_dst(metric.detach(), partition, int(num_src), family)
             # dst rank last (-inf), so one stable sort yields [merged src | kept src | dst]
-            order = argsort_rows(best, kind, descending=True, append=num_dst, fill=-float("inf"))
-            plan._build(order, best_dst_slot)
-        return plan
+            order = argsort_rows(best, family, descending=True, append=num_tokens - num_src, fill=-float("inf"))
+            return plan_type(num_tokens, batch, r, family, deterministic, partition, num_src, order, best_dst_slot)
 
     def _build(self, order: paddle.Tensor, best_dst_slot: paddle.Tensor) -> None:
-        """Turn the sorted src slots into the row tables (see the class docstring)."""
+        """Turn the sorted src slots into the row tables (see the class docstring); part of the construction."""
         n, r, kept = self.num_tokens, self.r, self.num_src - self.r
         m = n - r
         self.merged_idx = order[:, :r]
@@ -103,18 +108,18 @@ class MergePlan:
         b = batch_tables("batch", self.batch_size, order, _build_batch_tables, n, m, kept)
         # input rows in sorted order per item: [merged src | kept src | dst]; the merged rows are [kept src | dst], so
         # a merge starts from the rows after the first r and adds the first r onto their dst's merged row
-        sorted_rows = paddle.take_along_axis(self.partition + b["off_n"], order, axis=1, broadcast=False)
+        sorted_rows = paddle.take_along_axis(self.partition + b.off_n, order, axis=1, broadcast=False)
         merged, keep = paddle.split(sorted_rows, [r, m], axis=1)
-        targets = self.merged_dst + b["off_dst"]
+        targets = self.merged_dst + b.off_dst
         self.keep_rows, self.merge_rows, self.merge_targets = keep.reshape([-1]), merged.reshape([-1]), targets.reshape([-1])
         # the merged row of every input row, for the unmerge: its dst's row for a merged src, rows 0 .. M-1 of the
         # item for the rest; every input row is written exactly once, so the scatter has no conflicts (its own base,
         # not the index: a static program may write the output in place)
         rows = sorted_rows.reshape([-1])
-        ends = paddle.concat([targets, b["rows_m"]], axis=1).reshape([-1])
-        self.unmerge_rows = paddle.scatter(b["zeros_n"], rows, ends)
+        ends = paddle.concat([targets, b.rows_m], axis=1).reshape([-1])
+        self.unmerge_rows = paddle.scatter(b.zeros_n, rows, ends)
         # group sizes 1 + k, counted with exact float adds of 1 (order-free, so deterministic on any device)
-        self.counts = paddle.index_add(b["zeros_m"], self.unmerge_rows, 0, b["ones_n"])
+        self.counts = paddle.index_add(b.zeros_m, self.unmerge_rows, 0, b.ones_n)
         self.row_scale = paddle.gather(paddle.reciprocal(self.counts), self.unmerge_rows)  # exact below 2**24
         self._build_groups(rows)
 
@@ -220,7 +225,7 @@ class MergePlan:
             return y
         channels = y.shape[-1]
         flat = y.reshape([-1, channels])
-        work = compute_dtype(y.dtype) if self.kind == "cpu" else dtype_name(y.dtype)
+        work = dtype_name(y.dtype) if self.kernels.half_math else compute_dtype(y.dtype)
         if dtype_name(y.dtype) != work:  # Paddle's CPU build has no half-precision gather; the round trip is exact
             flat = flat.astype(work)
         out = paddle.gather(flat, self.unmerge_rows)
@@ -233,12 +238,16 @@ class GroupMergePlan(MergePlan):
     gathers, a fixed order, a ``[B, Nd + r, C]`` float64 buffer; float64 keeps the difference of two long running
     sums exact to well below float32 rounding). The unmerge is :class:`MergePlan`'s."""
 
-    def __init__(self, num_tokens: int, batch_size: int, r: int = 0, kind: str = "gpu", deterministic: bool = True):
-        MergePlan.__init__(self, num_tokens, batch_size, r, kind, deterministic)
+    def __init__(self, num_tokens: int, batch_size: int, r: int = 0, kind: Any = "gpu", deterministic: bool = True,
+                 partition: Optional[paddle.Tensor] = None, num_src: int = 0, order: Optional[paddle.Tensor] = None,
+                 best_dst_slot: Optional[paddle.Tensor] = None):
+        # (declared before MergePlan.__init__, which builds them through _build_groups)
         self.group_rows: Optional[paddle.Tensor] = None  # dst and merged src of every item, ordered by group
         self.group_ends: Optional[paddle.Tensor] = None  # flat position of every group's last member in it
         self.kept_rows: Optional[paddle.Tensor] = None  # input rows of the kept src
         self.group_sizes: Optional[paddle.Tensor] = None  # [B, Nd, 1] float64 1 + k
+        MergePlan.__init__(self, num_tokens, batch_size, r, kind, deterministic, partition, num_src, order,
+                           best_dst_slot)
 
     def _build_groups(self, rows: paddle.Tensor) -> None:
         """The group tables from ``rows`` (``[B*N]``: the input rows in sorted order, ``[merged src | kept src |
@@ -250,11 +259,11 @@ class GroupMergePlan(MergePlan):
         merged, kept, dst = paddle.split(rows, [r, num_src - r, num_dst], axis=1)
         g = _group_batch_tables(self.batch_size, num_dst, length, rows)
         # group key: dst d is 2d, a src merged into d is 2d + 1; a stable sort keeps the src of a group in slot order
-        keys = paddle.concat([g["dst_keys"], paddle.scale(self.merged_dst, 2.0, 1.0)], axis=1)
-        order = argsort_rows(keys, self.kind)
+        keys = paddle.concat([g.dst_keys, paddle.scale(self.merged_dst, 2.0, 1.0)], axis=1)
+        order = argsort_rows(keys, self.kernels)
         sequence = paddle.take_along_axis(paddle.concat([dst, merged], axis=1), order, axis=1, broadcast=False)
         sizes = self.counts.reshape([-1, n - r])[:, num_src - r:]  # [B, Nd] float32 1 + k, exact integers
-        ends = paddle.cumsum(sizes, axis=1).astype("int64") + g["last"]  # flat row of each group's last member
+        ends = paddle.cumsum(sizes, axis=1).astype("int64") + g.last  # flat row of each group's last member
         self.group_rows, self.group_ends = sequence.reshape([-1]), ends.reshape([-1])
         self.kept_rows, self.group_sizes = kept.reshape([-1]), sizes.astype("float64").unsqueeze(-1)
 
@@ -278,33 +287,51 @@ class GroupMergePlan(MergePlan):
 
 
 # per-batch tables ----------------------------------------------------------------------------------------------------
-def _build_batch_tables(count: Any, num_tokens: int, merged_tokens: int, kept: int) -> Dict[str, Any]:
-    """Row tables a plan of ``count`` items needs: ``off_n`` (first row of each item in the input), ``off_dst``
-    (row of each item's first dst in the merged output), ``rows_m`` (``[B, M]``: every merged row), and constant
-    columns for the scatter and the group counts (see :func:`~ppdiffusers_tome.ops.cache.batch_tables`)."""
+class BatchTables(Tables):
+    """Row tables a global plan of ``B`` items needs (see :func:`~ppdiffusers_tome.ops.cache.batch_tables`)."""
+
+    __slots__ = ("off_n", "off_dst", "rows_m", "zeros_n", "zeros_m", "ones_n")
+
+    def __init__(self, off_n: paddle.Tensor, off_dst: paddle.Tensor, rows_m: paddle.Tensor, zeros_n: paddle.Tensor,
+                 zeros_m: paddle.Tensor, ones_n: paddle.Tensor) -> None:
+        self.off_n = off_n  # [B, 1] first row of each item in the input
+        self.off_dst = off_dst  # [B, 1] row of each item's first dst in the merged output
+        self.rows_m = rows_m  # [B, M] every merged row
+        self.zeros_n = zeros_n  # [B*N] int64 base of the unmerge scatter
+        self.zeros_m = zeros_m  # [B*M, 1] float32 base of the group counts
+        self.ones_n = ones_n  # [B*N, 1] float32 the ones they count
+
+
+def _build_batch_tables(count: Any, num_tokens: int, merged_tokens: int, kept: int) -> BatchTables:
     items = paddle.arange(count, dtype="int64").unsqueeze(-1)
-    return {
-        "off_n": items * num_tokens,
-        "off_dst": items * merged_tokens + kept,
-        "rows_m": paddle.arange(merged_tokens, dtype="int64").unsqueeze(0) + items * merged_tokens,
-        "zeros_n": paddle.zeros([count * num_tokens], dtype="int64"),
-        "zeros_m": paddle.zeros([count * merged_tokens, 1], dtype="float32"),
-        "ones_n": paddle.ones([count * num_tokens, 1], dtype="float32"),
-    }
+    return BatchTables(
+        off_n=items * num_tokens,
+        off_dst=items * merged_tokens + kept,
+        rows_m=paddle.arange(merged_tokens, dtype="int64").unsqueeze(0) + items * merged_tokens,
+        zeros_n=paddle.zeros([count * num_tokens], dtype="int64"),
+        zeros_m=paddle.zeros([count * merged_tokens, 1], dtype="float32"),
+        ones_n=paddle.ones([count * num_tokens, 1], dtype="float32"),
+    )
 
 
-def _group_batch_tables(batch: int, num_dst: int, length: int, like: paddle.Tensor) -> Dict[str, Any]:
-    """Per-batch tables of the group merge: ``dst_keys`` (``[B, Nd]``: ``2d``) and ``last``
-    (``[B, 1]``: ``b * length - 1``, turning an item's group end count into a flat row)."""
+class GroupTables(Tables):
+    """Per-batch tables of the group merge (:class:`GroupMergePlan`)."""
+
+    __slots__ = ("dst_keys", "last")
+
+    def __init__(self, dst_keys: paddle.Tensor, last: paddle.Tensor) -> None:
+        self.dst_keys = dst_keys  # [B, Nd] 2d: the sort key of dst d
+        self.last = last  # [B, 1] b * length - 1: turns an item's group end count into a flat row
+
+
+def _group_batch_tables(batch: int, num_dst: int, length: int, like: paddle.Tensor) -> GroupTables:
     return batch_tables("groups", batch, like, _build_group_tables, num_dst, length)
 
 
-def _build_group_tables(count: Any, num_dst: int, length: int) -> Dict[str, Any]:
+def _build_group_tables(count: Any, num_dst: int, length: int) -> GroupTables:
     keys = paddle.arange(num_dst, dtype="int64").unsqueeze(0) * 2
-    return {
-        "dst_keys": paddle.tile(keys, [count, 1]),
-        "last": paddle.arange(count, dtype="int64").unsqueeze(-1) * length - 1,
-    }
+    return GroupTables(dst_keys=paddle.tile(keys, [count, 1]),
+                       last=paddle.arange(count, dtype="int64").unsqueeze(-1) * length - 1)
 
 
 def bipartite_soft_matching_random2d(
@@ -317,7 +344,7 @@ def bipartite_soft_matching_random2d(
     no_rand: bool = False,
     generator: GeneratorLike = None,
     partition: Optional[paddle.Tensor] = None,
-    kind: Optional[str] = None,
+    kind: Any = None,
     deterministic: bool = False,
 ) -> MergePlan:
     """Plan the merge of ``r`` src tokens into their most similar dst tokens (ToMe SD, Bolya & Hoffman 2023).
@@ -335,7 +362,8 @@ def bipartite_soft_matching_random2d(
             ``None`` draws fresh OS entropy. The partition is shared by the whole batch.
         partition: a precomputed ``[N]`` row of :func:`~ppdiffusers_tome.ops.partition.partition_table`
             (overrides ``no_rand``/``generator``); this is how the model glue passes partitions drawn on the device.
-        kind: ``"cpu"`` or ``"gpu"`` kernels; default from ``metric``'s place.
+        kind: the kernel family, a :class:`~ppdiffusers_tome.ops.runtime.Kernels` or its name (``"cpu"``,
+            ``"gpu"``); default from ``metric``'s place.
         deterministic: on GPU kernels, merge without float atomics (:class:`GroupMergePlan`).
 
     Returns:
@@ -361,7 +389,7 @@ def bipartite_soft_matching_random2d(
         return MergePlan(num_tokens, batch)
     if partition is None:
         if no_rand:
-            partition = grid(int(h), int(w), int(sx), int(sy)).tensors()["top_left"]
+            partition = layout(int(h), int(w), int(sx), int(sy)).tensors().top_left
         else:
             step = paddle.full([], 0, dtype="int64")
             partition = partition_table(h, w, sx, sy, step, generator_seed(generator), 1)[0]

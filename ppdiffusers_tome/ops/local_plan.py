@@ -21,17 +21,18 @@ dst in position order).
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import paddle
 import paddle.nn.functional as F
 from paddle import _C_ops
 
-from .cache import CACHE, batch_tables
+from .cache import CACHE, Tables, batch_tables
 from .feature_order import match_feature_windows
 from .global_plan import MergePlan
-from .runtime import argsort_rows, compute_dtype, device_kind, dtype_name, tracing
-from .windows import Windows, match_windows, windows
+from .partition import Layout
+from .runtime import KERNELS, argsort_rows, compute_dtype, device_kind, dtype_name, tracing
+from .windows import match_windows, windows
 
 __all__ = ["DenseFeaturePlan", "DenseLocalPlan", "LocalMergePlan"]
 
@@ -44,16 +45,25 @@ class LocalMergePlan(MergePlan):
     similarity is a batched ``[B*W, Ns_w, Nd_w]`` product: it grows as ``N * window**2`` (``window`` tokens per side)
     instead of ``N**2``."""
 
-    def __init__(self, num_tokens: int, batch_size: int, r: int = 0, kind: str = "cpu"):
-        MergePlan.__init__(self, num_tokens, batch_size, r, kind)
-        self.windows: Optional[Windows] = None
-        self.window_r = 0
-        self.order = "grid"
+    def __init__(self, num_tokens: int, batch_size: int, r: int = 0, kind: Any = "cpu",
+                 windows: Optional[Layout] = None, window_r: int = 0, order: str = "grid", dtype: str = "float32",
+                 ranked: Optional[paddle.Tensor] = None, best_dst: Optional[paddle.Tensor] = None,
+                 partition: Optional[paddle.Tensor] = None, layout: Optional[paddle.Tensor] = None):
+        """A plan is complete once made: with ``ranked`` (every window's src slots sorted by similarity) and
+        ``best_dst`` (see :meth:`from_matching`) its tables are built here; without, it is an identity."""
+        num_src = 0 if windows is None else windows.count * windows.num_src
+        MergePlan.__init__(self, num_tokens, batch_size, r, kind, False, None, num_src)
+        self.windows = windows
+        self.window_r = int(window_r)
+        self.order = order
+        self.dtype = dtype  # of the tokens the plan was made from
+        if ranked is not None:
+            self._build_local(ranked, best_dst, partition, layout)
 
     @classmethod
     def from_matching(  # type: ignore[override]
         cls, metric: paddle.Tensor, windows_spec: Tuple[int, int, int, int, int, int], partition: paddle.Tensor,
-        window_r: int, kind: Optional[str] = None, order: str = "grid",
+        window_r: int, kind: Any = None, order: str = "grid",
     ) -> "LocalMergePlan":
         """Match within windows and plan the merge of ``window_r`` src per window.
 
@@ -65,7 +75,8 @@ class LocalMergePlan(MergePlan):
                 :func:`~ppdiffusers_tome.ops.windows.window_partition_table`); feature order also takes the same
                 partition as one row of :func:`~ppdiffusers_tome.ops.feature_order.feature_partition_table`.
             window_r: src merged per window, ``0 < window_r <= Ns_w``.
-            kind: ``"cpu"`` or ``"gpu"`` kernels; default from ``metric``'s place.
+            kind: the kernel family, a :class:`~ppdiffusers_tome.ops.runtime.Kernels` or its name; default from
+                ``metric``'s place. Its ``few_launches`` picks the dense plans.
             order: ``"grid"`` (windows are tiles of the grid) or ``"feature"`` (see
                 :mod:`ppdiffusers_tome.ops.feature_order`).
 
@@ -81,59 +92,55 @@ class LocalMergePlan(MergePlan):
         """
         if order not in ORDERS:
             raise ValueError(f"order must be 'grid' or 'feature', got {order!r}")
-        kind = kind or device_kind(metric)
+        family = KERNELS[kind or device_kind(metric)]
         win = windows(*(int(v) for v in windows_spec))
-        batch = int(metric.shape[0])
         plan_type = LocalMergePlan
-        if kind == "gpu":
+        if family.few_launches:
             plan_type = DenseFeaturePlan if order == "feature" else DenseLocalPlan
-        plan = plan_type(int(metric.shape[1]), batch, win.count * int(window_r), kind)
-        plan.windows, plan.window_r, plan.num_src, plan.order = win, int(window_r), win.count * win.num_src, order
-        plan.dtype = dtype_name(metric.dtype)
         with paddle.no_grad():
             layout = None
             if order == "feature":  # each window's tokens come laid out src first, then dst: no partition to apply
-                best, best_dst, layout = match_feature_windows(metric.detach(), win, partition, kind)
+                best, best_dst, layout = match_feature_windows(metric.detach(), win, partition, family)
                 partition = None
             else:
-                best, best_dst = match_windows(metric.detach(), win, partition, kind)
-            ranked = argsort_rows(best, kind, descending=True)
-            plan._build_local(ranked, best_dst, partition, batch, layout)
-        return plan
+                best, best_dst = match_windows(metric.detach(), win, partition, family)
+            ranked = argsort_rows(best, family, descending=True)
+            return plan_type(int(metric.shape[1]), int(metric.shape[0]), win.count * int(window_r), family, win,
+                             window_r, order, dtype_name(metric.dtype), ranked, best_dst, partition, layout)
 
     def _build_local(self, order: paddle.Tensor, best_dst: paddle.Tensor, partition: Optional[paddle.Tensor],
-                     batch: int, layout: Optional[paddle.Tensor]) -> None:
+                     layout: Optional[paddle.Tensor]) -> None:
         """The merged row (within its window) of every token: kept src first, then the dst, each merged src on
-        its dst's row; then the tables of this plan's kind. ``partition`` is None when each window's tokens are
-        already src first, then dst; ``layout`` (feature order only): ``[B, N]`` grid positions of the tokens,
-        window by window."""
+        its dst's row; then the tables of this plan's kind (part of the construction). ``partition`` is None when
+        each window's tokens are already src first, then dst; ``layout`` (feature order only): ``[B, N]`` grid
+        positions of the tokens, window by window."""
         win, r_w = self.windows, self.window_r
         kept, m_w = win.num_src - r_w, win.size - r_w
-        b = _local_tables(-1 if tracing() else batch, win, m_w, order)
+        b = _local_tables(-1 if tracing() else self.batch_size, win, m_w, order)
         if partition is None:
-            tokens = paddle.concat([order, b["dst_slots"]], axis=1)  # [B*W, T] window-local token of each place
+            tokens = paddle.concat([order, b.dst_slots], axis=1)  # [B*W, T] window-local token of each place
         else:
-            local = paddle.tile(partition, b["repeat"])  # [B*W, T]
+            local = paddle.tile(partition, b.repeat)  # [B*W, T]
             src_local, dst_local = paddle.split(local, [win.num_src, win.num_dst], axis=1)
             tokens = paddle.concat([paddle.take_along_axis(src_local, order, axis=1, broadcast=False), dst_local],
                                    axis=1)
         merged_dst = paddle.take_along_axis(best_dst, order[:, :r_w], axis=1, broadcast=False)
-        rows = paddle.concat([merged_dst + kept, b["rows"]], axis=1)  # the row of each token, in sorted order
+        rows = paddle.concat([merged_dst + kept, b.rows], axis=1)  # the row of each token, in sorted order
         # every token of a window is written exactly once: no conflicts (its own base: a static program may write
         # the output in place)
-        row_of = put_along(b["zeros"], tokens, rows)  # [B*W, T], window-local token order
+        row_of = put_along(b.zeros, tokens, rows)  # [B*W, T], window-local token order
         self._build_tables(row_of, b, layout)
 
-    def _build_tables(self, row_of: paddle.Tensor, b: Dict[str, Any], layout: Optional[paddle.Tensor]) -> None:
+    def _build_tables(self, row_of: paddle.Tensor, b: "LocalTables", layout: Optional[paddle.Tensor]) -> None:
         """Row tables over the ``B*N`` input rows (see :class:`MergePlan`)."""
         win = self.windows
-        flat = (row_of + b["offsets"]).reshape([-1, win.count * win.size])  # [B, W*T], window-major tokens
+        flat = (row_of + b.offsets).reshape([-1, win.count * win.size])  # [B, W*T], window-major tokens
         if layout is None:
-            unmerge_rows = paddle.gather(flat, win.tensors()["inverse"], axis=1).reshape([-1])  # grid order
+            unmerge_rows = paddle.gather(flat, win.tensors().inverse, axis=1).reshape([-1])  # grid order
         else:  # every position of an item appears once in its layout: no conflicts
-            unmerge_rows = put_along(b["zeros"].reshape([-1, self.num_tokens]), layout, flat).reshape([-1])
+            unmerge_rows = put_along(b.zeros.reshape([-1, self.num_tokens]), layout, flat).reshape([-1])
         self.unmerge_rows = unmerge_rows
-        self.counts = paddle.index_add(b["zeros_m"], unmerge_rows, 0, b["ones_n"])
+        self.counts = paddle.index_add(b.zeros_m, unmerge_rows, 0, b.ones_n)
         self.row_scale = paddle.gather(paddle.reciprocal(self.counts), unmerge_rows)
 
     def merge(self, x: paddle.Tensor, mode: str = "mean") -> paddle.Tensor:
@@ -165,13 +172,13 @@ class DenseLocalPlan(LocalMergePlan):
     the tokens the plan was made from; merge and unmerge are one layout gather and one batched matmul each, plus two
     free reshapes."""
 
-    def __init__(self, num_tokens: int, batch_size: int, r: int = 0, kind: str = "gpu"):
-        LocalMergePlan.__init__(self, num_tokens, batch_size, r, kind)
-        self.dtype = "float32"
+    def __init__(self, num_tokens: int, batch_size: int, r: int = 0, kind: Any = "gpu", *args: Any):
+        # (declared before LocalMergePlan.__init__, which builds them through _build_tables; ``args`` are its own)
         self.unmerge_matrix: Optional[paddle.Tensor] = None
         self.merge_matrix: Optional[paddle.Tensor] = None
+        LocalMergePlan.__init__(self, num_tokens, batch_size, r, kind, *args)
 
-    def _build_tables(self, row_of: paddle.Tensor, b: Dict[str, Any], layout: Optional[paddle.Tensor]) -> None:
+    def _build_tables(self, row_of: paddle.Tensor, b: "LocalTables", layout: Optional[paddle.Tensor]) -> None:
         onehot = F.one_hot(row_of, self.windows.size - self.window_r)  # [B*W, T, Mw] float32 of exact 0/1
         counts = paddle.sum(onehot, axis=1, keepdim=True)  # [B*W, 1, Mw]: group sizes, exact integers
         merge = (onehot / counts).transpose([0, 2, 1])
@@ -187,12 +194,12 @@ class DenseLocalPlan(LocalMergePlan):
     def _window_tokens(self, x: paddle.Tensor) -> paddle.Tensor:
         """``[B, N, C]`` tokens as ``[B*W, T, C]``, window by window."""
         win = self.windows
-        return paddle.gather(x, win.tensors()["flat_order"], axis=1).reshape([-1, win.size, x.shape[-1]])
+        return paddle.gather(x, win.tensors().flat_order, axis=1).reshape([-1, win.size, x.shape[-1]])
 
     def _grid_tokens(self, out: paddle.Tensor) -> paddle.Tensor:
         """``[B*W, T, C]`` window tokens back in grid order, ``[B, N, C]``."""
         grid_order = out.reshape([-1, self.num_tokens, out.shape[-1]])
-        return paddle.gather(grid_order, self.windows.tensors()["inverse"], axis=1)
+        return paddle.gather(grid_order, self.windows.tensors().inverse, axis=1)
 
     def merge(self, x: paddle.Tensor, mode: str = "mean") -> paddle.Tensor:
         if mode != "mean":
@@ -216,18 +223,18 @@ class DenseFeaturePlan(DenseLocalPlan):
     position)`` of each window's tokens) and ``grid_index`` ``[B, N, 2]`` (the ``(window row, slot)`` of each item's
     tokens in grid order) are the two ``gather_nd`` indices of the layout."""
 
-    def __init__(self, num_tokens: int, batch_size: int, r: int = 0, kind: str = "gpu"):
-        DenseLocalPlan.__init__(self, num_tokens, batch_size, r, kind)
-        self.window_index: Optional[paddle.Tensor] = None
+    def __init__(self, num_tokens: int, batch_size: int, r: int = 0, kind: Any = "gpu", *args: Any):
+        self.window_index: Optional[paddle.Tensor] = None  # (declared before the build, as DenseLocalPlan's)
         self.grid_index: Optional[paddle.Tensor] = None
+        DenseLocalPlan.__init__(self, num_tokens, batch_size, r, kind, *args)
 
-    def _build_tables(self, row_of: paddle.Tensor, b: Dict[str, Any], layout: Optional[paddle.Tensor]) -> None:
+    def _build_tables(self, row_of: paddle.Tensor, b: "LocalTables", layout: Optional[paddle.Tensor]) -> None:
         DenseLocalPlan._build_tables(self, row_of, b, layout)  # (not super(): SOT cannot follow it)
         # (the parent called by name, not through super(): see docs/design.md, the tracing rules)
-        self.window_index = paddle.stack([b["items"], layout], axis=-1).reshape([-1, self.windows.size, 2])
-        slots = put_along(b["zeros"].reshape([-1, self.num_tokens]), layout, b["slots"])
-        window_rows = b["window_of_item"] + paddle.floor_divide(slots, b["size"])  # [B, N]
-        self.grid_index = paddle.stack([window_rows, paddle.remainder(slots, b["size"])], axis=-1)  # [B, N, 2]
+        self.window_index = paddle.stack([b.items, layout], axis=-1).reshape([-1, self.windows.size, 2])
+        slots = put_along(b.zeros.reshape([-1, self.num_tokens]), layout, b.slots)
+        window_rows = b.window_of_item + paddle.floor_divide(slots, b.size)  # [B, N]
+        self.grid_index = paddle.stack([window_rows, paddle.remainder(slots, b.size)], axis=-1)  # [B, N, 2]
 
     def _window_tokens(self, x: paddle.Tensor) -> paddle.Tensor:
         return paddle.gather_nd(x, self.window_index)  # [B*W, T, C]
@@ -245,27 +252,49 @@ def put_along(arr: paddle.Tensor, indices: paddle.Tensor, values: paddle.Tensor)
     return paddle.put_along_axis(arr, indices, values, axis=1)  # pragma: no cover - the legacy static graph
 
 
-def _local_tables(batch: int, win: Windows, m_w: int, like: paddle.Tensor) -> Dict[str, Any]:
+class LocalTables(Tables):
+    """Per-batch tables of a local plan of ``B`` items on ``W`` windows of ``T`` tokens (``Mw`` merged rows each)."""
+
+    __slots__ = ("repeat", "rows", "zeros", "offsets", "zeros_m", "ones_n", "dst_slots", "items", "slots",
+                 "window_of_item", "size")
+
+    def __init__(self, repeat: Any, rows: paddle.Tensor, zeros: paddle.Tensor, offsets: paddle.Tensor,
+                 zeros_m: paddle.Tensor, ones_n: paddle.Tensor, dst_slots: paddle.Tensor, items: paddle.Tensor,
+                 slots: paddle.Tensor, window_of_item: paddle.Tensor, size: paddle.Tensor) -> None:
+        self.repeat = repeat  # [B, 1]: the tiling of a partition over the batch
+        self.rows = rows  # [B*W, Mw] every merged row of a window
+        self.zeros = zeros  # [B*W, T] int64 base of the scatters
+        self.offsets = offsets  # [B*W, 1] first merged row of every window
+        self.zeros_m = zeros_m  # [B*W*Mw, 1] float32 base of the group counts
+        self.ones_n = ones_n  # [B*W*T, 1] float32 the ones they count
+        # feature order: the window-local slot of every dst, the item of every place of an item's window layout, every
+        # place's number, the first window row of every item, and T
+        self.dst_slots = dst_slots  # [B*W, Nd_w]
+        self.items = items  # [B, W*T]
+        self.slots = slots  # [B, W*T]
+        self.window_of_item = window_of_item  # [B, W*T]
+        self.size = size  # 0-d int64
+
+
+def _local_tables(batch: int, win: Layout, m_w: int, like: paddle.Tensor) -> LocalTables:
     """Per-batch tables of a local plan: cached per batch size in eager mode, built from the runtime shape of
     ``like`` (``[B*W, ...]``) while tracing a dynamic batch."""
     return batch_tables("local", batch, like, _build_local_tables, win.count, win.size, win.num_src, m_w,
                         per_item=win.count)
 
 
-def _build_local_tables(batch: Any, count: int, size: int, num_src: int, m_w: int) -> Dict[str, Any]:
+def _build_local_tables(batch: Any, count: int, size: int, num_src: int, m_w: int) -> LocalTables:
     rows = batch * count
-    return {
-        "repeat": [batch, 1],
-        "rows": paddle.tile(paddle.arange(m_w, dtype="int64").unsqueeze(0), [rows, 1]),  # [B*W, Mw]
-        "zeros": paddle.zeros([rows, size], dtype="int64"),
-        "offsets": (paddle.arange(rows, dtype="int64") * m_w).unsqueeze(-1),  # first row of every window
-        "zeros_m": paddle.zeros([rows * m_w, 1], dtype="float32"),
-        "ones_n": paddle.ones([rows * size, 1], dtype="float32"),
-        # feature order: the window-local slot of every dst, the item of every place of an item's window layout,
-        # every place's number, and the first window row of every item
-        "dst_slots": paddle.tile(paddle.arange(num_src, size, dtype="int64").unsqueeze(0), [rows, 1]),
-        "items": paddle.tile(paddle.arange(batch, dtype="int64").unsqueeze(-1), [1, count * size]),
-        "slots": paddle.tile(paddle.arange(count * size, dtype="int64").unsqueeze(0), [batch, 1]),
-        "window_of_item": paddle.tile((paddle.arange(batch, dtype="int64") * count).unsqueeze(-1), [1, count * size]),
-        "size": paddle.full([], size, dtype="int64"),
-    }
+    return LocalTables(
+        repeat=[batch, 1],
+        rows=paddle.tile(paddle.arange(m_w, dtype="int64").unsqueeze(0), [rows, 1]),
+        zeros=paddle.zeros([rows, size], dtype="int64"),
+        offsets=(paddle.arange(rows, dtype="int64") * m_w).unsqueeze(-1),
+        zeros_m=paddle.zeros([rows * m_w, 1], dtype="float32"),
+        ones_n=paddle.ones([rows * size, 1], dtype="float32"),
+        dst_slots=paddle.tile(paddle.arange(num_src, size, dtype="int64").unsqueeze(0), [rows, 1]),
+        items=paddle.tile(paddle.arange(batch, dtype="int64").unsqueeze(-1), [1, count * size]),
+        slots=paddle.tile(paddle.arange(count * size, dtype="int64").unsqueeze(0), [batch, 1]),
+        window_of_item=paddle.tile((paddle.arange(batch, dtype="int64") * count).unsqueeze(-1), [1, count * size]),
+        size=paddle.full([], size, dtype="int64"),
+    )

@@ -1,8 +1,10 @@
 """Which kernels the merge core runs (the CPU or the GPU family), whether it is being traced, and dtype names.
 
-The two kernel families compute the same plans; they differ where a GPU and a CPU disagree on what is cheap (see
-:func:`device_kind`). The family follows the tensors' place; :func:`force_kernels` overrides it for a block of code,
-which is how the GPU family's logic is tested and counted on a machine without a GPU.
+The two kernel families compute the same plans; they differ where a GPU and a CPU disagree on what is cheap. Each
+family is one :class:`Kernels` object whose attributes name those differences, so the merge core reads
+``family.few_launches`` rather than comparing names; :data:`KERNELS` finds it by name (or by itself). The family
+follows the tensors' place (:func:`device_kind`); :func:`force_kernels` overrides it for a block of code, which is
+how the GPU family's logic is tested and counted on a machine without a GPU.
 """
 
 from __future__ import annotations
@@ -15,11 +17,48 @@ from typing import Any, Iterator, Optional
 
 import paddle
 
-__all__ = ["KINDS", "argsort_rows", "begin_eager", "compute_dtype", "converting", "device_kind", "dtype_name",
-           "end_eager", "force_kernels", "forced_kernels", "known_eager", "tracing"]
+__all__ = ["CPU_KERNELS", "GPU_KERNELS", "KERNELS", "KINDS", "Kernels", "argsort_rows", "begin_eager", "compute_dtype",
+           "converting", "device_kind", "dtype_name", "end_eager", "force_kernels", "forced_kernels", "known_eager",
+           "tracing"]
 
 KINDS = ("cpu", "gpu")
 LOW_PRECISION = ("float16", "bfloat16")
+
+
+class Kernels:
+    """One kernel family: its ``name`` (``"cpu"`` or ``"gpu"``) and, as plain attributes (read on the traced path),
+    the four places where it differs from the other family. All four are True for the GPU family:
+
+    * ``few_launches``: an operator costs a kernel launch, a pass over the tokens is cheap; so the matching makes
+      unit rows with the 2-norm kernel in few operators (a CPU squares and sums with a matmul and normalises only
+      the dst), feature order normalises src and dst at once, and local plans are dense per-window matrices;
+    * ``half_math``: float16/bfloat16 tokens keep their dtype in the similarity and in the unmerge gather (a CPU
+      has no half-precision matmul or gather: float32);
+    * ``spare_sort_row``: a sort of a single row takes a synchronising path, so :func:`argsort_rows` sorts a spare
+      row along;
+    * ``atomic_adds``: ``index_add`` adds floats with atomics (the last bits may change run to run), so a
+      ``deterministic`` merge sums groups with a scan instead (a CPU adds in order anyway).
+
+    >>> KERNELS["gpu"].few_launches, KERNELS["cpu"].half_math, KERNELS[GPU_KERNELS] is GPU_KERNELS
+    (True, False, True)
+    """
+
+    def __init__(self, name: str, gpu: bool):
+        self.name = name
+        self.few_launches = self.half_math = self.spare_sort_row = self.atomic_adds = gpu
+
+    def __repr__(self) -> str:
+        return f"Kernels({self.name!r})"
+
+    def __reduce__(self) -> str:
+        # pickled and copied as a reference to the module's object: there is one family of each kind, so
+        # ``KERNELS[family]`` (an identity lookup) keeps working on an unpickled plan
+        return f"{self.name.upper()}_KERNELS"
+
+
+CPU_KERNELS, GPU_KERNELS = Kernels("cpu", False), Kernels("gpu", True)
+# the family of a name, or of itself: ``KERNELS[kind]`` takes either, at the cost of a dictionary lookup
+KERNELS = {"cpu": CPU_KERNELS, "gpu": GPU_KERNELS, CPU_KERNELS: CPU_KERNELS, GPU_KERNELS: GPU_KERNELS}
 
 
 class _Forced:
@@ -145,12 +184,8 @@ def force_kernels(kind: Optional[str]) -> Iterator[None]:
 
 def device_kind(x: Any = None) -> str:
     """``"gpu"`` when ``x`` lives on a GPU (or, while tracing, when the program will run on one), else ``"cpu"``;
-    :func:`force_kernels` takes precedence.
-
-    The GPU family differs in four places: the matching (unit rows and similarity in the tokens' own dtype, fewer
-    kernels), the unmerge gather (no float32 round trip for half dtypes), the sort (at least two rows, so Paddle
-    never takes its synchronising single-row Thrust path) and the ``deterministic`` merge (a scan instead of
-    ``index_add``'s float atomics; a CPU adds in order anyway).
+    :func:`force_kernels` takes precedence. ``KERNELS[device_kind(x)]`` is the family's :class:`Kernels`, which
+    says where it differs from the other.
 
     >>> import paddle
     >>> device_kind(paddle.ones([1]))
@@ -169,14 +204,15 @@ def device_kind(x: Any = None) -> str:
     return "gpu" if paddle.is_compiled_with_cuda() and str(paddle.device.get_device()).startswith("gpu") else "cpu"
 
 
-def argsort_rows(keys: paddle.Tensor, kind: str, axis: int = -1, descending: bool = False,
+def argsort_rows(keys: paddle.Tensor, kind: Any, axis: int = -1, descending: bool = False,
                  append: int = 0, fill: float = 0.0) -> paddle.Tensor:
     """Stable ``paddle.argsort`` of ``keys`` along ``axis``, each row on its own (a row: one index of every other
     axis), after ``append`` entries of ``fill`` are added at the end of every row (in the same pad).
 
-    The one sort of the merge core. On the GPU family, when ``keys`` may hold a single row (one, or unknown while
-    tracing a dynamic batch), a spare row is sorted along and dropped: Paddle's GPU argsort of a single row takes a
-    Thrust path that synchronises with the host. The spare row goes in the same pad as ``append``.
+    The one sort of the merge core; ``kind`` is a :class:`Kernels` or its name. On a family with
+    ``spare_sort_row`` (the GPU's), when ``keys`` may hold a single row (one, or unknown while tracing a dynamic
+    batch), a spare row is sorted along and dropped: Paddle's GPU argsort of a single row takes a Thrust path that
+    synchronises with the host. The spare row goes in the same pad as ``append``.
 
     >>> import paddle
     >>> keys = paddle.to_tensor([[3.0, 1.0, 2.0]])
@@ -188,7 +224,7 @@ def argsort_rows(keys: paddle.Tensor, kind: str, axis: int = -1, descending: boo
     ndim = len(keys.shape)
     axis = axis % ndim
     spare = 0
-    if kind == "gpu":
+    if KERNELS[kind].spare_sort_row:
         others = [size for dim, size in enumerate(keys.shape) if dim != axis]  # one row per index of these
         unknown = any(size is None or size < 0 for size in others)  # (a dynamic batch while tracing)
         spare = 1 if unknown or math.prod(others) == 1 else 0

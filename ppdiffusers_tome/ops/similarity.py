@@ -13,7 +13,7 @@ from typing import Any, Tuple
 import paddle
 
 from .cache import batch_tables, constant
-from .runtime import LOW_PRECISION, dtype_name, tracing
+from .runtime import KERNELS, LOW_PRECISION, dtype_name, tracing
 
 __all__ = ["best_dst", "clear_non_finite", "normalize_rows", "similarity_dtype", "unit_rows"]
 
@@ -21,10 +21,11 @@ _TINY = 1.1754944e-38  # smallest normal float32
 
 
 @functools.lru_cache(maxsize=64)  # (a hit runs no Python frame)
-def similarity_dtype(dtype: Any, kind: str) -> str:
+def similarity_dtype(dtype: Any, kind: Any) -> str:
     """The dtype in which tokens are normalised and compared (the ``[B, Ns, Nd]`` similarity) for tokens of
-    ``dtype`` on ``kind`` kernels: a GPU keeps float16/bfloat16 (tensor cores, half the bytes of the largest
-    temporary, as tomesd does); a CPU has no half-precision matmul and uses float32. float32 and float64 stay.
+    ``dtype`` on ``kind`` kernels (a :class:`~ppdiffusers_tome.ops.runtime.Kernels` or its name): with
+    ``half_math`` (a GPU) float16/bfloat16 stay (tensor cores, half the bytes of the largest temporary, as tomesd
+    does); a CPU has no half-precision matmul and uses float32. float32 and float64 stay.
 
     >>> import paddle
     >>> similarity_dtype(paddle.float16, "gpu"), similarity_dtype(paddle.float16, "cpu")
@@ -32,7 +33,7 @@ def similarity_dtype(dtype: Any, kind: str) -> str:
     """
     name = dtype_name(dtype)
     if name in LOW_PRECISION:
-        return name if kind == "gpu" else "float32"
+        return name if KERNELS[kind].half_math else "float32"
     return name if name in ("float32", "float64") else "float32"
 
 
@@ -42,7 +43,7 @@ def clear_non_finite(x: paddle.Tensor, value: float = 0.0) -> paddle.Tensor:
     return paddle.where_(paddle.isfinite(x), x, constant(value, dtype_name(x.dtype)))
 
 
-def normalize_rows(x: paddle.Tensor, kind: str, in_place: bool = False) -> paddle.Tensor:
+def normalize_rows(x: paddle.Tensor, kind: Any, in_place: bool = False) -> paddle.Tensor:
     """The rows of ``x`` as unit vectors, computed scale-free: each row is first divided by its largest absolute
     value, so neither the square of 1e30 (nor, in float16, of 300) nor that of 1e-30 leaves the dtype. Rows that
     are all zero or hold NaN or inf become NaN (0/0, x/inf): callers clear them. One new buffer at most (none with
@@ -50,23 +51,24 @@ def normalize_rows(x: paddle.Tensor, kind: str, in_place: bool = False) -> paddl
     kernel slowly, so a CPU squares and sums with a matmul."""
     largest = paddle.linalg.norm(x, p=float("inf"), axis=-1, keepdim=True)
     x = x.divide_(largest) if in_place else x / largest
-    if kind == "gpu":
+    if KERNELS[kind].few_launches:
         return x.divide_(paddle.linalg.norm(x, p=2, axis=-1, keepdim=True))
     ones = constant(1.0, dtype_name(x.dtype), (x.shape[-1], 1))
     return x.multiply_(paddle.rsqrt(paddle.matmul(paddle.square(x), ones)))
 
 
-def unit_rows(metric: paddle.Tensor, kind: str = "gpu") -> paddle.Tensor:
+def unit_rows(metric: paddle.Tensor, kind: Any = "gpu") -> paddle.Tensor:
     """``metric`` as unit vectors along the last axis in a new tensor of its dtype (see :func:`normalize_rows`);
     tokens that are all zero or hold NaN or inf come out as zero vectors (similarity 0 to every token)."""
     return clear_non_finite(normalize_rows(metric, kind))
 
 
-def best_dst(metric: paddle.Tensor, partition: paddle.Tensor, num_src: int, kind: str
+def best_dst(metric: paddle.Tensor, partition: paddle.Tensor, num_src: int, kind: Any
              ) -> Tuple[paddle.Tensor, paddle.Tensor]:
     """For every src of ``partition`` (``[N]`` grid positions, ``num_src`` src first), the cosine similarity to its
-    most similar dst and that dst's slot: ``[B, Ns]`` each."""
-    if kind == "gpu":
+    most similar dst and that dst's slot: ``[B, Ns]`` each, the GPU way or the CPU way (``kind``'s
+    ``few_launches``)."""
+    if KERNELS[kind].few_launches:
         return _best_dst_gpu(metric, partition, num_src)
     return _best_dst_cpu(metric, partition, num_src)
 

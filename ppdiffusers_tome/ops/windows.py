@@ -1,4 +1,5 @@
-"""Windows for local matching: equal ``wy x wx`` tiles of the token grid, each with its own cells and partition.
+"""Windows for local matching: equal ``wy x wx`` tiles of the token grid, each with its own cells and partition (a
+:class:`~ppdiffusers_tome.ops.partition.Layout` with windows).
 
 A src is then compared only with the dst of its own window: the similarity is a batched ``[B*W, Ns_w, Nd_w]``
 product, which grows as ``N * window**2`` (``window`` tokens per side) instead of ``N**2`` (the recipe of ToMA, Lu et
@@ -9,13 +10,12 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Dict, Optional, Tuple
+from typing import Any, Optional, Tuple
 
-import numpy as np
 import paddle
 
-from .cache import CACHE, const, constant
-from .partition import VARIANTS, draw_dst, grid, variant_index
+from .cache import constant
+from .partition import Layout, layout, pick_partitions
 from .runtime import dtype_name
 from .similarity import normalize_rows, similarity_dtype
 
@@ -47,67 +47,14 @@ def _window_side(n: int, stride: int, window: int) -> int:
     return best
 
 
-class Windows:
-    """Host-side description of an ``h x w`` grid cut into equal ``wy x wx`` windows, each with its own ``sy x sx``
-    cells (numpy, cached by :func:`windows`). Token tables are in window-major order: window by window, row-major
-    inside a window."""
-
-    def __init__(self, h: int, w: int, wy: int, wx: int, sx: int, sy: int):
-        self.h, self.w, self.wy, self.wx, self.sx, self.sy = h, w, wy, wx, sx, sy
-        self.count, self.size, self.slots = (h // wy) * (w // wx), wy * wx, sx * sy
-        local = grid(wy, wx, sx, sy)  # the cells of one window
-        self.num_dst, self.num_src = local.num_dst, local.num_src  # per window
-        win_y, win_x, ty, tx = np.meshgrid(np.arange(h // wy), np.arange(w // wx), np.arange(wy), np.arange(wx),
-                                           indexing="ij")
-        self.order = ((win_y * wy + ty) * w + (win_x * wx + tx)).reshape(self.count, self.size).astype(np.int64)
-        self.inverse = np.argsort(self.order.reshape(-1)).astype(np.int64)  # grid position -> window-major index
-        self.cell_of = (np.arange(self.count)[:, None] * self.num_dst + local.cell_of[None, :]).reshape(-1)
-        self.slot_of = np.tile(local.slot_of, self.count)
-        self.top_left = np.tile(local.top_left, (self.count, 1))  # the partition with every cell's top-left as dst
-
-    def tensors(self) -> Dict[str, paddle.Tensor]:
-        """The device copies of the tables (cached per place)."""
-        return CACHE.get(("windows", self.h, self.w, self.wy, self.wx, self.sx, self.sy), _window_tensors, self)
-
-    def variants(self, seed: int) -> paddle.Tensor:
-        """``[VARIANTS, W, T]`` window-local partitions for ``seed`` on the device (drawn once, cached)."""
-        key = ("window_variants", self.h, self.w, self.wy, self.wx, self.sx, self.sy, int(seed))
-        return CACHE.get(key, _variant_tensor, self, seed)
-
-    def local_partitions(self, seed: Optional[int]) -> np.ndarray:
-        """``[VARIANTS, W, T]`` (``[1, W, T]`` for ``seed=None``: every cell's top-left token as its dst) on the host:
-        each window's tokens (window-local) in partition order, src first, then dst, each in position order."""
-        if seed is None or self.num_dst == 0:
-            return self.top_left[None]
-        key = (int(seed), self.h, self.w, self.wy, self.wx, self.sx, self.sy, 1)
-        is_dst = draw_dst(self.cell_of, self.slot_of, self.count * self.num_dst, self.slots, key)
-        return np.argsort(is_dst.reshape(VARIANTS, self.count, self.size), axis=-1, kind="stable")
-
-    def ranked(self, local: np.ndarray) -> np.ndarray:
-        """``[..., N]`` grid positions of window-local partitions ``local`` (``[..., W, T]``): every window's src,
-        window by window, then every window's dst (the order feature order sorts)."""
-        positions = np.take_along_axis(np.broadcast_to(self.order, local.shape), local, axis=-1)
-        flat = positions.reshape(*local.shape[:-2], -1)
-        slots = np.arange(self.count * self.size).reshape(self.count, self.size)
-        return flat[..., np.concatenate([slots[:, :self.num_src].reshape(-1), slots[:, self.num_src:].reshape(-1)])]
+Windows = Layout  # the name of 0.11's window description: a layout with windows
 
 
-def _variant_tensor(win: Windows, seed: int) -> paddle.Tensor:
-    # a module function, not a closure: Paddle's SOT tracer cannot read a lambda's cells
-    return const(win.local_partitions(seed))
-
-
-def _window_tensors(win: Windows) -> Dict[str, paddle.Tensor]:
-    return {
-        "order": const(win.order), "flat_order": const(win.order.reshape(-1)), "inverse": const(win.inverse),
-        "top_left": const(win.top_left),
-        "identity": const(np.tile(np.arange(win.size, dtype=np.int64), (win.count, 1))),
-    }
-
-
-@functools.lru_cache(maxsize=64)
-def windows(h: int, w: int, wy: int, wx: int, sx: int, sy: int) -> Windows:
-    return Windows(h, w, wy, wx, sx, sy)
+@functools.lru_cache(maxsize=64)  # (a hit runs no Python frame)
+def windows(h: int, w: int, wy: int, wx: int, sx: int, sy: int) -> Layout:
+    """The :class:`~ppdiffusers_tome.ops.partition.Layout` of an ``h x w`` grid cut into ``wy x wx`` windows with
+    ``sy x sx`` cells (the argument order of a windows spec)."""
+    return layout(h, w, sx, sy, wy, wx)
 
 
 def window_partition_table(
@@ -117,7 +64,8 @@ def window_partition_table(
     (``W`` windows of ``T = wy*wx`` tokens) whose ``[i, k]`` lists the tokens of window ``k`` (window-local,
     row-major) in partition order: src first, then dst, each in position order. Each cell's dst is drawn as in
     :func:`~ppdiffusers_tome.ops.partition.partition_table` (variants of the windows' own table, picked by the step
-    key); ``step=None`` takes every cell's top-left token instead.
+    key); ``step=None`` takes every cell's top-left token instead. :func:`~ppdiffusers_tome.ops.partition.
+    pick_partitions` in the window-local form.
 
     >>> import paddle
     >>> from ppdiffusers_tome.ops.partition import step_key
@@ -125,20 +73,16 @@ def window_partition_table(
     >>> list(table.shape), sorted(table[0, 1].numpy().tolist()) == list(range(16))
     ([2, 4, 16], True)
     """
-    win = windows(int(h), int(w), int(wy), int(wx), int(sx), int(sy))
-    rows = max(int(blocks), 2)
-    if step is None or win.num_dst == 0:
-        return paddle.expand(win.tensors()["top_left"].unsqueeze(0), [rows, win.count, win.size])
-    return paddle.gather(win.variants(seed), variant_index(step, seed, rows))
+    return pick_partitions(windows(int(h), int(w), int(wy), int(wx), int(sx), int(sy)), step, seed, blocks, local=True)
 
 
-def window_positions(win: Windows, partition: paddle.Tensor) -> Tuple[paddle.Tensor, paddle.Tensor]:
+def window_positions(win: Layout, partition: paddle.Tensor) -> Tuple[paddle.Tensor, paddle.Tensor]:
     """The grid positions of every window's src ``[W, Ns_w]`` and dst ``[W, Nd_w]`` under ``partition``."""
-    pos = paddle.take_along_axis(win.tensors()["order"], partition, axis=1, broadcast=False)  # [W, T] positions
+    pos = paddle.take_along_axis(win.tensors().order, partition, axis=1, broadcast=False)  # [W, T] positions
     return paddle.split(pos, [win.num_src, win.num_dst], axis=1)
 
 
-def best_in_windows(src: paddle.Tensor, dst: paddle.Tensor, win: Windows) -> Tuple[paddle.Tensor, paddle.Tensor]:
+def best_in_windows(src: paddle.Tensor, dst: paddle.Tensor, win: Layout) -> Tuple[paddle.Tensor, paddle.Tensor]:
     """Best dst and its cosine for every src, window by window (``[B*W, Ns_w]`` each), from unit src and dst rows
     in window order (``[B*W, Ns_w, C]`` and ``[B*W, Nd_w, C]``, or anything that reshapes to them): one batched
     ``[B*W, Ns_w, Nd_w]`` product. A best similarity that is not a number counts as -2, below any cosine: such a src
@@ -151,7 +95,7 @@ def best_in_windows(src: paddle.Tensor, dst: paddle.Tensor, win: Windows) -> Tup
     return paddle.fmax(scores.max(axis=-1), constant(-2.0, dtype_name(scores.dtype))), scores.argmax(axis=-1)
 
 
-def match_windows(metric: paddle.Tensor, win: Windows, partition: paddle.Tensor, kind: str
+def match_windows(metric: paddle.Tensor, win: Layout, partition: paddle.Tensor, kind: Any
                   ) -> Tuple[paddle.Tensor, paddle.Tensor]:
     """Best dst in its window and the cosine similarity to it, for every src of every window: ``[B*W, Ns_w]`` each.
     The src and the dst are gathered into window order (the one token-sized buffer, normalised in place) and
