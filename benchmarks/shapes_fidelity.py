@@ -2,7 +2,7 @@
 
 The paper's FID table in miniature. For every configuration (vanilla, ToMe at 0.3 / 0.5 / 0.6, ToDo,
 ppdiffusers' built-in port at 0.5, the step cache with interval 2, 3 and 5 alone and with interval 3 after ToMe 0.5
-or ToDo; ``--configs`` picks some) and every seed, the shipped pipeline draws one image per held-out caption
+or ToDo, interval 3 at DeepCache's finest branch ``layers=1``; ``--configs`` picks some) and every seed, the shipped pipeline draws one image per held-out caption
 (captions of dataset images the model never saw, one object each, so that the caption names all four labels),
 from the same initial latents for every configuration (generator seed = seed x 1000 + batch). Per configuration,
 mean and seed-to-seed standard deviation of:
@@ -57,6 +57,10 @@ CONFIGS: Dict[str, Method] = {
     "cache 5": Method("cache", cache={"interval": 5}),
     "ToMe 0.5 + cache 3": Method("tome", 0.5, cache={"interval": 3}),
     "ToDo + cache 3": Method("todo", cache={"interval": 3}),
+    # DeepCache's finest branch: a cached step runs only the last layer of the last up block (the shapes UNet has
+    # one layer per down block, two per up block, so layers=1 is the only branch finer than depth=1 there)
+    "cache 3, layers 1": Method("cache", cache={"interval": 3, "layers": 1}),
+    "ToMe 0.5 + cache 3, layers 1": Method("tome", 0.5, cache={"interval": 3, "layers": 1}),
 }
 
 
