@@ -289,23 +289,18 @@ def main(argv: List[str] | None = None) -> Dict[str, Any]:
                         help="count the eager operators of one block call per configuration instead of timing")
     parser.add_argument("--output")
     args = parser.parse_args(argv)
+    if args.loop_only and not args.loop_steps:  # before any model is built
+        parser.error("--loop-only needs --loop-steps N (N >= 1)")
     WIDTH = args.width
     threads = set_threads(args.threads)
     if args.ops_per_block:
         model = narrow_sd3(2, args.width)  # an inner block (counted) and the last one
         rows = [row for size in args.sizes for row in block_op_rows(model, size)]
         print_op_rows(rows)
-        result = {"version": ppdiffusers_tome.__version__, "paddle": paddle.__version__, "width": args.width,
-                  "heads": args.width // 64, "text_tokens": TEXT_TOKENS, "batch": 2, "rows": rows,
-                  "command": "benchmarks/sd3_forward.py " + " ".join(argv if argv is not None else sys.argv[1:])}
-        if args.output:
-            os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-            with open(args.output, "w", encoding="utf-8") as handle:
-                json.dump(result, handle, indent=1)
-        return result
+        return write({"version": ppdiffusers_tome.__version__, "paddle": paddle.__version__, "width": args.width,
+                      "heads": args.width // 64, "text_tokens": TEXT_TOKENS, "batch": 2, "rows": rows}, argv,
+                     args.output)
     model = narrow_sd3(args.layers, args.width)
-    if args.loop_only and not args.loop_steps:
-        parser.error("--loop-only needs --loop-steps N (N >= 1)")
     sizes = [] if args.loop_only else args.sizes
     rows = [row for size in sizes for row in measure(size, model, args.rounds, args.seeds)]
     if rows:
@@ -324,12 +319,17 @@ def main(argv: List[str] | None = None) -> Dict[str, Any]:
             low, high = row["speedup_range"]
             print(f"| {row['size']}² | {row['configuration']} | {row['seconds']:.2f} | {row['speedup']:.2f}× "
                   f"({low:.2f}–{high:.2f}) | {row['rel_l2']:.4f} ({row['rel_l2_sd']:.4f}) |")
-    result = {"version": ppdiffusers_tome.__version__, "loop": loop, "paddle": paddle.__version__, "threads": threads,
-              "layers": args.layers, "width": args.width, "text_tokens": TEXT_TOKENS, "batch": 2, "rows": rows,
-              "command": "benchmarks/sd3_forward.py " + " ".join(argv if argv is not None else sys.argv[1:])}
-    if args.output:
-        os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-        with open(args.output, "w", encoding="utf-8") as handle:
+    return write({"version": ppdiffusers_tome.__version__, "loop": loop, "paddle": paddle.__version__,
+                  "threads": threads, "layers": args.layers, "width": args.width, "text_tokens": TEXT_TOKENS,
+                  "batch": 2, "rows": rows}, argv, args.output)
+
+
+def write(result: Dict[str, Any], argv: List[str] | None, output: str | None) -> Dict[str, Any]:
+    """``result`` with the command that made it, written as JSON to ``output`` (when given)."""
+    result["command"] = "benchmarks/sd3_forward.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    if output:
+        os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+        with open(output, "w", encoding="utf-8") as handle:
             json.dump(result, handle, indent=1)
     return result
 

@@ -2,13 +2,12 @@
 values are projected from the image tokens downsampled on the patch grid, every image query stays and the text
 stream is unchanged. Checked on the tiny offline SD3 models: one block against a float64 numpy forward, the number
 of keys that reach the attention core, both attention cores (the math path and ppdiffusers' GPU function), both
-kernel families and the policy, odd and non-square grids, pipelines, removal, status, refusals and a static
-graph with a dynamic batch."""
+kernel families and the policy, odd and non-square grids, pipelines, removal, status and refusals (the static graph
+with a dynamic batch: tests/test_sd3_tome.py)."""
 
 import numpy as np
 import paddle
 import pytest
-from paddle.static import InputSpec
 from ppdiffusers.models.attention_processor import AttnProcessor
 
 import ppdiffusers_tome
@@ -18,11 +17,9 @@ from ppdiffusers_tome.config import ToMeConfig
 from ppdiffusers_tome.patch import find_blocks, get_patch
 from ppdiffusers_tome.policy import JOINT_MIN_WORK
 from ppdiffusers_tome.testing import gpu_kernels, tiny_sd3_pipeline, tiny_sd3_transformer
-from tests.test_sd3_model import NoisePredictor, linear64
+from tests.test_sd3_model import linear64
 from tests.test_sd3_tome import (
     LATENT_CHANNELS,
-    POOLED_CHANNELS,
-    TEXT_CHANNELS,
     WIDTH,
     ada_norm_continuous64,
     ada_norm_zero64,
@@ -293,23 +290,3 @@ def test_todo_and_the_step_cache_together_run_and_both_removals_give_back_vanill
 def test_merge_crossattn_stays_refused_on_sd3_with_todo_too():
     with pytest.raises(ValueError, match="merge_crossattn"):
         ppdiffusers_tome.apply_tome(tiny_sd3_transformer(), method="todo", merge_crossattn=True)
-
-
-def test_a_todo_transformer_exports_with_a_dynamic_batch_and_equals_eager_todo(tmp_path):
-    transformer = tiny_sd3_transformer(num_layers=2)  # an inner block and the last one
-    model = NoisePredictor(transformer)
-    model.eval()
-    batches = {batch: transformer_inputs(batch, text_tokens=10, seed=batch, timestep=700.0) for batch in (1, 3)}
-    with paddle.no_grad():
-        vanilla = {batch: model(*inputs).numpy() for batch, inputs in batches.items()}
-    ppdiffusers_tome.apply_tome(transformer, method="todo")
-    with paddle.no_grad():
-        eager = {batch: model(*inputs).numpy() for batch, inputs in batches.items()}
-    spec = [InputSpec([None, LATENT_CHANNELS, 16, 16], "float32"), InputSpec([None, 10, TEXT_CHANNELS], "float32"),
-            InputSpec([None, POOLED_CHANNELS], "float32"), InputSpec([None], "float32")]
-    path = str(tmp_path / "sd3_todo")
-    paddle.jit.save(paddle.jit.to_static(model, input_spec=spec, full_graph=True), path)
-    loaded = paddle.jit.load(path)
-    for batch, inputs in batches.items():
-        assert np.abs(eager[batch] - vanilla[batch]).max() > 1e-4  # ToDo is on in the eager model
-        np.testing.assert_allclose(loaded(*inputs).numpy(), eager[batch], rtol=1e-5, atol=1e-5)
