@@ -9,6 +9,9 @@ import pytest
 from tests.benchmark_scripts import load_benchmark
 
 
+CONFIGS = ["ToMe 0.5", "ToDo", "built-in 0.5", "ToMe 0.5 + cache 3"]  # merging, pooling, the peer, the step cache
+
+
 @pytest.fixture(scope="module")
 def bench():
     return load_benchmark("shapes_fidelity")
@@ -18,9 +21,9 @@ def bench():
 def short_run(bench, tmp_path_factory):
     out = tmp_path_factory.mktemp("fidelity")
     # two seeds (a spread), two captions in one pipeline call per configuration and seed, two steps (the cached
-    # configurations reuse step 0 in step 1)
+    # configuration reuses step 0 in step 1); one configuration of each kind
     args = ["--seeds", "2", "--prompts", "2", "--reference", "6", "--steps", "2", "--batch", "2", "--grid", "2",
-            "--threads", "1", "--output", str(out)]
+            "--threads", "1", "--output", str(out), "--configs", *CONFIGS]
     assert bench.main(args) == 0
     with open(out / "results.json", encoding="utf-8") as f:
         return out, json.load(f)
@@ -34,7 +37,7 @@ def test_mean_sd_ignores_infinities_and_has_zero_spread_for_one_value(bench):
 
 def test_short_run_records_every_configuration_and_seed(short_run, bench):
     out, data = short_run
-    assert list(data["summary"]) == list(bench.CONFIGS)
+    assert list(data["summary"]) == ["vanilla", *CONFIGS] and set(CONFIGS) < set(bench.CONFIGS)
     for name, runs in data["per_seed"].items():
         assert len(runs) == 2
         for run in runs:
