@@ -6,8 +6,9 @@ channels, 333 text tokens: SD3's 77 + 256) and random seeded weights; a forward'
 number of layers, so ``--layers`` may be fewer than SD3-medium's 24. Batch 2 (one image with guidance). Every round
 runs each configuration once (after one untimed forward each), in a rotated order; per configuration: the median
 seconds and the range of the per-round speed-ups, the relative L2 distance of the output to vanilla's for each input
-seed (mean and spread), and the FLOP ceiling (image q/k/v/o and MLP, text q/k/v/o and MLP, joint attention; AdaLN
-and embeddings left out). With ``--loop-steps N`` it also times a whole N-step denoising loop per configuration
+seed (mean and spread), the FLOP ceiling (image q/k/v/o and MLP, text q/k/v/o and MLP, joint attention; AdaLN
+and embeddings left out) and the memory a forward adds at its peak (``PeakMemory`` around the last untimed forward:
+the resident set on a CPU, sampled every 10 ms; Paddle's allocated bytes on a GPU). With ``--loop-steps N`` it also times a whole N-step denoising loop per configuration
 (:data:`LOOP_CONFIGS`) over ``--seeds`` seeds (``--loop-only``: no forward table). With ``--ops-per-block`` it times
 nothing: it counts the eager operators of one ``JointTransformerBlock`` call (:func:`block_op_rows`) per
 configuration of :data:`OPS_CONFIGS`, with the GPU kernels forced and with the CPU's. Prints tables and writes JSON:
@@ -39,7 +40,7 @@ import ppdiffusers_tome  # noqa: E402
 from ppdiffusers_tome.joint_attention import use_math_attention  # noqa: E402
 from ppdiffusers_tome.ops.runtime import force_kernels  # noqa: E402
 from ppdiffusers_tome.patch import get_patch  # noqa: E402
-from ppdiffusers_tome.tools.measure import count_ops, relative_l2, set_threads  # noqa: E402
+from ppdiffusers_tome.tools.measure import PeakMemory, count_ops, relative_l2, set_threads  # noqa: E402
 
 TEXT_TOKENS = 333
 CONFIGS: Dict[str, Dict[str, Any] | None] = {
@@ -119,11 +120,16 @@ def measure(size: int, model: Any, rounds: int, seeds: int) -> List[Dict[str, An
     names = list(CONFIGS)
     outputs: Dict[str, List[np.ndarray]] = {name: [] for name in names}
     seconds: Dict[str, List[float]] = {name: [] for name in names}
-    for name in names:  # the outputs of every input seed, and one untimed forward each
+    peaks: Dict[str, int] = {}
+    for name in names:  # the outputs of every input seed (untimed); the last one's peak memory
         ppdiffusers_tome.remove_tome(model)
         if CONFIGS[name] is not None:
             ppdiffusers_tome.apply_tome(model, **CONFIGS[name])
-        outputs[name] = [forward(model, inputs(size, seed)) for seed in range(seeds)]
+        for seed in range(seeds):
+            kwargs = inputs(size, seed)
+            with PeakMemory() as memory:
+                outputs[name].append(forward(model, kwargs))
+            peaks[name] = memory.added_bytes
     timed = inputs(size, 0)
     for round_ in range(rounds):
         shift = round_ % len(names)
@@ -147,6 +153,7 @@ def measure(size: int, model: Any, rounds: int, seeds: int) -> List[Dict[str, An
             "seconds": statistics.median(seconds[name]), "speedup": statistics.median(speedups),
             "speedup_range": [min(speedups), max(speedups)],
             "rel_l2": float(np.mean(distances)), "rel_l2_sd": float(np.std(distances)),
+            "peak_added_mib": peaks[name] / 2**20, "peak_kind": memory.kind,
             "flop_ceiling": flop_ceiling(image_tokens, WIDTH, options.get("ratio", 0.0), options.get("merge_mlp", False),
                                          factor=options.get("downsample_factor", 2) if options.get("method") == "todo"
                                          else 1) if options else 1.0,
@@ -304,12 +311,14 @@ def main(argv: List[str] | None = None) -> Dict[str, Any]:
     sizes = [] if args.loop_only else args.sizes
     rows = [row for size in sizes for row in measure(size, model, args.rounds, args.seeds)]
     if rows:
-        print("| size | configuration | s / forward | speed-up (range) | FLOP ceiling | rel. L2 to vanilla (sd) |")
-        print("| --- | --- | --- | --- | --- | --- |")
+        print("| size | configuration | s / forward | speed-up (range) | FLOP ceiling | rel. L2 to vanilla (sd) | "
+              "peak added, MiB |")
+        print("| --- | --- | --- | --- | --- | --- | --- |")
     for row in rows:
         low, high = row["speedup_range"]
         print(f"| {row['size']}² | {row['configuration']} | {row['seconds']:.2f} | {row['speedup']:.2f}× "
-              f"({low:.2f}–{high:.2f}) | {row['flop_ceiling']:.2f}× | {row['rel_l2']:.4f} ({row['rel_l2_sd']:.4f}) |")
+              f"({low:.2f}–{high:.2f}) | {row['flop_ceiling']:.2f}× | {row['rel_l2']:.4f} ({row['rel_l2_sd']:.4f}) | "
+              f"{row['peak_added_mib']:.0f} |")
     loop = measure_loop(args.sizes[0], model, args.loop_steps, args.seeds) if args.loop_steps else []
     if loop:
         print(f"| size | configuration ({args.loop_steps}-step loop) | s / image | speed-up (range) | "

@@ -73,3 +73,15 @@ def test_loop_only_times_the_denoising_loop_and_no_forward_table(sd3_forward, mo
     assert json.loads(output.read_text())["loop"][1]["speedup"] > 0
     with pytest.raises(SystemExit):
         sd3_forward.main(["--loop-only"])  # nothing to time
+
+
+def test_the_forward_table_records_speed_distance_and_peak_memory_per_configuration(sd3_forward, monkeypatch, tmp_path):
+    monkeypatch.setattr(sd3_forward, "CONFIGS", {"vanilla": None, "ToDo, factor 2": dict(method="todo")})
+    output = tmp_path / "forward.json"
+    result = sd3_forward.main(["--sizes", "64", "--layers", "3", "--width", "64", "--rounds", "1", "--seeds", "2",
+                               "--output", str(output)])
+    rows = {row["configuration"]: row for row in json.loads(output.read_text())["rows"]}
+    assert list(rows) == ["vanilla", "ToDo, factor 2"] and result["loop"] == []
+    assert rows["vanilla"]["rel_l2"] == 0 and rows["ToDo, factor 2"]["rel_l2"] > 0  # ToDo ran, vanilla is vanilla
+    for row in rows.values():
+        assert row["speedup"] > 0 and row["peak_added_mib"] >= 0 and row["peak_kind"] == "cpu_peak_rss"
