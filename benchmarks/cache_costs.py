@@ -38,10 +38,10 @@ from ppdiffusers_tome.tools.presets import load_preset  # noqa: E402
 CONFIGS = {  # name -> (apply_tome options, apply_cache options)
     "vanilla": (None, None),
     "ToMe 0.5": ({"ratio": 0.5}, None),
-    "cache 3": (None, {"interval": 3}),
+    "cache 3, whole level": (None, {"interval": 3, "layers": None}),  # DeepCache's branch 2 (0.13.0's default)
     "cache 3, layers 2": (None, {"interval": 3, "layers": 2}),
-    "cache 3, layers 1": (None, {"interval": 3, "layers": 1}),
-    "ToMe 0.5 + cache 3": ({"ratio": 0.5}, {"interval": 3}),
+    "cache 3, layers 1": (None, {"interval": 3, "layers": 1}),  # the default since 0.14.0 (layers="auto")
+    "ToMe 0.5 + cache 3, whole level": ({"ratio": 0.5}, {"interval": 3, "layers": None}),
     "ToMe 0.5 + cache 3, layers 1": ({"ratio": 0.5}, {"interval": 3, "layers": 1}),
 }
 

@@ -44,7 +44,11 @@ CONFIGS: Dict[str, Method] = {
     "cache 5": Method("cache", cache={"interval": 5}),
     "ToMe 0.5 + cache 3": Method("tome", 0.5, cache={"interval": 3}),
     "ToDo + cache 3": Method("todo", cache={"interval": 3}),
-    # DeepCache's finer branches: a cached step runs only the last 2 (1) layers of the last up block
+    # the whole first level on a cached step (DeepCache's branch 2 on SD-1.5; the default before 0.14.0)
+    "cache 3, whole level": Method("cache", cache={"interval": 3, "layers": None}),
+    "ToMe 0.5 + cache 3, whole level": Method("tome", 0.5, cache={"interval": 3, "layers": None}),
+    # DeepCache's finer branches: a cached step runs only the last 2 (1) layers of the last up block; the cache's
+    # default (layers="auto") is layers 1 since 0.14.0, so "cache 3" above is "cache 3, layers 1"
     "cache 3, layers 2": Method("cache", cache={"interval": 3, "layers": 2}),
     "cache 3, layers 1": Method("cache", cache={"interval": 3, "layers": 1}),
     "ToMe 0.5 + cache 3, layers 1": Method("tome", 0.5, cache={"interval": 3, "layers": 1}),

@@ -2,7 +2,9 @@
 
 The paper's FID table in miniature. For every configuration (vanilla, ToMe at 0.3 / 0.5 / 0.6, ToDo,
 ppdiffusers' built-in port at 0.5, the step cache with interval 2, 3 and 5 alone and with interval 3 after ToMe 0.5
-or ToDo, interval 3 at DeepCache's finest branch ``layers=1``; ``--configs`` picks some) and every seed, the shipped pipeline draws one image per held-out caption
+or ToDo, all at the default ``layers="auto"`` (DeepCache's finest branch), and interval 3 on the whole first level,
+alone and after ToMe 0.5; ``--configs`` picks some) and every seed, the shipped pipeline draws one image per held-out
+caption
 (captions of dataset images the model never saw, one object each, so that the caption names all four labels),
 from the same initial latents for every configuration (generator seed = seed x 1000 + batch). Per configuration,
 mean and seed-to-seed standard deviation of:
@@ -57,8 +59,12 @@ CONFIGS: Dict[str, Method] = {
     "cache 5": Method("cache", cache={"interval": 5}),
     "ToMe 0.5 + cache 3": Method("tome", 0.5, cache={"interval": 3}),
     "ToDo + cache 3": Method("todo", cache={"interval": 3}),
+    # the whole first level on a cached step (DeepCache's branch 2 on SD-1.5; the default before 0.14.0)
+    "cache 3, whole level": Method("cache", cache={"interval": 3, "layers": None}),
+    "ToMe 0.5 + cache 3, whole level": Method("tome", 0.5, cache={"interval": 3, "layers": None}),
     # DeepCache's finest branch: a cached step runs only the last layer of the last up block (the shapes UNet has
-    # one layer per down block, two per up block, so layers=1 is the only branch finer than depth=1 there)
+    # one layer per down block, two per up block, so layers=1 is the only branch finer than depth=1 there); the
+    # cache's default (layers="auto") since 0.14.0, so "cache 3" above is "cache 3, layers 1"
     "cache 3, layers 1": Method("cache", cache={"interval": 3, "layers": 1}),
     "ToMe 0.5 + cache 3, layers 1": Method("tome", 0.5, cache={"interval": 3, "layers": 1}),
 }

@@ -3,9 +3,11 @@
 cache's fixed schedule.
 
 Two programs, not one with a branch. A cached step reads one tensor that the last full step produced: the output of
-the last deep up block (``up_blocks[-depth - 1]``), the only deep feature the shallow up blocks consume. So the full
-program is the UNet's forward with that tensor as a second output, and the cached program takes it as an input and
-contains no deep block at all (the other deep blocks return their own input, which nothing reads, and the program
+the last deep part in call order, the only deep feature the layers that run consume: the last deep up block
+(``up_blocks[-depth - 1]``) with ``layers=None``, or with ``layers=k`` (the default ``"auto"`` is 1) the layer of the
+last up block just before the ``k`` that run (the skip connections those read come from layers that run too). So the
+full program is the UNet's forward with that tensor as a second output, and the cached program takes it as an input
+and contains no deep part at all (the other deep parts return their own input, which nothing reads, and the program
 drops them). One program with a branch would have to carry a step counter onto the device and hold both halves.
 Which program a step runs is decided on the host by :meth:`CacheConfig.is_full` from a Python counter: nothing is
 read from the device.
@@ -47,13 +49,9 @@ class _Step(paddle.nn.Layer):
         if getattr(unet, "up_blocks", None) is None:
             raise ValueError(f"step programs are built for a UNet (the shallow branch reads the last deep up block's "
                              f"output); {type(unet).__name__} has no up blocks")
-        if cache.config.layers is not None:
-            raise ValueError(f"step programs keep one feature between the two programs, the last deep up block's "
-                             f"output; with layers={cache.config.layers} the cached step reads the kept outputs of "
-                             "several layers. Apply the cache with layers=None (depth only) to export it")
         self.unet = unet
         self._cache = cache
-        self._live = cache.deep[-1][0]  # the last deep up block: up_blocks[-depth - 1]
+        self._live = cache.deep[-1][0]  # the last deep part: up_blocks[-depth - 1], or a layer of up_blocks[-1]
 
     def _run(self, feature: Optional[paddle.Tensor], sample: paddle.Tensor, timestep: paddle.Tensor,
              encoder_hidden_states: paddle.Tensor, text_embeds: Optional[paddle.Tensor],
@@ -71,6 +69,8 @@ class _Step(paddle.nn.Layer):
         try:
             outputs = self.unet(sample, timestep, encoder_hidden_states, added_cond_kwargs=added, return_dict=False)
             kept = state.pending.get(self._live)
+            if isinstance(kept, (tuple, list)):  # a transformer layer's 1-tuple
+                kept = kept[0]
         finally:
             state.program, state.kept, state.pending = None, {}, {}
         return outputs, kept

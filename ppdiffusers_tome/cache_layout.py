@@ -7,7 +7,8 @@ goes inside the first level, as DeepCache's finer branches do: of the last up bl
 (a layer is a resnet and the attention after it, or a resnet alone) run on a cached step, from the kept output of the
 layer before them; of the first down block only the first ``k - 1`` layers run, the ones whose outputs those ``k``
 layers read as skip connections (with ``conv_in``'s output, which always runs). DeepCache's ``cache_branch_id=b``
-on SD-1.5 keeps what ``layers=b + 1`` keeps for ``b`` in 0 and 1; its ``b=2`` is ``depth=1`` without ``layers``.
+on SD-1.5 keeps what ``layers=b + 1`` keeps for ``b`` in 0 and 1; its ``b=2`` is ``depth=1, layers=None``.
+``layers="auto"`` (the default) is ``1`` at ``depth=1`` and ``None`` at a deeper ``depth``.
 
 **Transformer-only models** (:class:`TransformerLayout`: SD3's MMDiT, DiT, PixArt-alpha). With ``depth=d`` the
 first and the last ``d`` transformer blocks run on every step; the blocks between form one segment whose
@@ -23,7 +24,9 @@ import paddle
 
 from .registry import Hook
 
-__all__ = ["Layout", "TransformerLayout", "UNetLayout", "layout_of"]
+__all__ = ["AUTO", "Layout", "TransformerLayout", "UNetLayout", "layout_of"]
+
+AUTO = "auto"  # the default of ``layers``: DeepCache's finest branch on UNets and ControlNets at depth 1
 
 Parts = List[Tuple[str, paddle.nn.Layer]]
 
@@ -33,9 +36,11 @@ def _first_tensor(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
 
 
 class Layout:
-    """The deep parts of one model (``deep``: ``(name, layer)`` in call order) and the hooks that keep them."""
+    """The deep parts of one model (``deep``: ``(name, layer)`` in call order) and the hooks that keep them;
+    ``layers``: the layers of the last up block a cached step runs (``None``: the whole first levels)."""
 
     deep: Parts
+    layers: Optional[int] = None
 
     def hooks(self, cache: Any) -> List[Tuple[Hook, paddle.nn.Layer]]:
         raise NotImplementedError
@@ -68,7 +73,8 @@ class _KeptOutput(Hook):
         if mode == "cached":
             kept = step.kept.get(step.site, {})
             if self.name in kept:
-                return kept[self.name]
+                value = kept[self.name]
+                return _structured(value, kwargs) if step.program is not None else value
             return self._stand_in(args, kwargs)
         output = self.next(*args, **kwargs)
         step.pending[self.name] = output
@@ -80,9 +86,15 @@ class _KeptOutput(Hook):
         hidden = _first_tensor(args, kwargs)
         layer = self.layer
         if not self.name.startswith("down_blocks") or self.name.count(".") > 1:
-            return hidden
+            return _structured(hidden, kwargs)
         count = len(layer.resnets) + len(getattr(layer, "downsamplers", None) or ())
         return hidden, (hidden,) * count
+
+
+def _structured(hidden: Any, kwargs: Dict[str, Any]) -> Any:
+    """A step program's tensor as the layer returns it: a transformer called with ``return_dict=False`` (as every
+    ppdiffusers block calls one) returns a 1-tuple."""
+    return (hidden,) if kwargs.get("return_dict") is False and not isinstance(hidden, (tuple, list)) else hidden
 
 
 def _pairs(block: paddle.nn.Layer, prefix: str) -> List[Parts]:
@@ -102,6 +114,7 @@ class UNetLayout(Layout):
     """The deep parts of a UNet or ControlNet (see the module docstring)."""
 
     def __init__(self, model: paddle.nn.Layer, depth: int, layers: Optional[int]):
+        self.layers = layers
         down, up = model.down_blocks, getattr(model, "up_blocks", None)
         deep: Parts = []
         if layers is not None:
@@ -124,16 +137,23 @@ class UNetLayout(Layout):
         return [(_KeptOutput(cache, name, first=i == 0), layer) for i, (name, layer) in enumerate(self.deep)]
 
 
+def _most_layers(model: paddle.nn.Layer) -> Tuple[int, int, int]:
+    """``(most, count, first)``: the largest ``layers`` a UNet or ControlNet takes, the layers of its last up block
+    (a ControlNet's first down block) and of its first down block."""
+    down, up = model.down_blocks, getattr(model, "up_blocks", None)
+    count = len((up[-1] if up is not None else down[0]).resnets)
+    first = len(down[0].resnets)
+    return (min(count - 1, first + 1) if up is not None else first + 1), count, first
+
+
 def _check_unet(model: paddle.nn.Layer, depth: int, layers: Optional[int], name: str) -> None:
     down, up = model.down_blocks, getattr(model, "up_blocks", None)
     if not depth < len(down) or (up is not None and len(up) != len(down)):
         raise ValueError(f"depth must be in [1, {len(down) - 1}] for {name} ({len(down)} down blocks: at least one "
                          f"level must stay deep); got {depth}")
     if layers is not None:
-        count = len((up[-1] if up is not None else down[0]).resnets)
-        first = len(down[0].resnets)
-        most = min(count - 1, first + 1) if up is not None else first + 1
-        if not layers <= most:
+        most, count, first = _most_layers(model)
+        if not 1 <= layers <= most:
             raise ValueError(f"layers must be in [1, {most}] for {name} (the last up block has {count} layers, the "
                              f"first down block {first}; at least one layer of the last up block must be cached); "
                              f"got {layers}")
@@ -217,12 +237,16 @@ def layout_of(model: Any, config: Any, name: Optional[str] = None) -> Optional[L
 
     >>> from ppdiffusers_tome.testing import tiny_unet
     >>> from ppdiffusers_tome.step_cache import CacheConfig
-    >>> [name for name, _ in layout_of(tiny_unet(), CacheConfig(depth=1)).deep][:2]
+    >>> [name for name, _ in layout_of(tiny_unet(), CacheConfig(depth=1, layers=None)).deep][:2]
     ['down_blocks.0.downsamplers.0', 'down_blocks.1']
+    >>> layout_of(tiny_unet(), CacheConfig()).layers  # the default, layers="auto": DeepCache's finest branch
+    1
     """
     name = name or type(model).__name__
     if _is_unet(model):
         depth, layers = (1, None) if config is None else (config.depth, config.layers)
+        if layers == AUTO:
+            layers = 1 if depth == 1 and _most_layers(model)[0] >= 1 else None
         if config is not None:
             _check_unet(model, depth, layers, name)
         return UNetLayout(model, depth, layers)
@@ -230,9 +254,9 @@ def layout_of(model: Any, config: Any, name: Optional[str] = None) -> Optional[L
         count = len(model.transformer_blocks)
         if config is None:
             return TransformerLayout(model, 1)
-        if config.layers is not None:
+        if config.layers not in (None, AUTO):
             raise ValueError(f"layers={config.layers} cuts inside a UNet's first level; {name} is a transformer-only "
-                             "model: leave layers=None and choose depth (blocks that run at each end)")
+                             "model: leave layers at \"auto\" (or None) and choose depth (blocks that run at each end)")
         if not 2 * config.depth < count:
             raise ValueError(f"depth must be in [1, {(count - 1) // 2}] for {name} ({count} transformer blocks: "
                              f"depth at each end run, at least one between is cached); got {config.depth}")

@@ -30,11 +30,11 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import asdict, dataclass, fields, replace
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import paddle
 
-from .cache_layout import Layout, layout_of
+from .cache_layout import AUTO, Layout, layout_of
 from .calls import drop_calls_if_alone, model_calls, refuse_if_running
 from .ops.runtime import converting
 from .registry import LOCK, Hook, StaticGraphError, add_hook, hooks_of, remove_hook
@@ -63,9 +63,11 @@ class CacheConfig:
             (``down_blocks[:depth]`` and ``up_blocks[-depth:]``; ``int >= 1``, at most the number of down blocks
             minus 1); for a transformer-only model, the blocks that run at each end (``int >= 1``, less than half
             of its blocks).
-        layers: UNets and ControlNets only, with ``depth=1``: ``None`` (the default: the whole first level runs) or
-            how many layers (resnet + attention pairs) of the last up block run on a cached step (``int >= 1``, fewer
-            than that block has): DeepCache's finer branches, ``layers=1`` is its ``cache_branch_id=0``.
+        layers: UNets and ControlNets at ``depth=1``: how many layers (resnet + attention pairs) of the last up
+            block run on a cached step (``int >= 1``, fewer than that block has): DeepCache's finer branches,
+            ``layers=1`` is its ``cache_branch_id=0``; ``None`` runs the whole first level (its branch 2 on
+            SD-1.5). ``"auto"`` (the default) is ``1`` on a UNet or ControlNet at ``depth=1`` and ``None`` otherwise
+            (deeper ``depth``, transformer-only models).
         start: steps before ``start`` are all full (``int >= 0``); cached steps begin at ``start + 1``.
         stop: steps from ``stop`` on are all full (``None``: to the end; else ``int > start``).
         full_steps: the 0-based steps that are full, e.g. ``(0, 1, 2, 4, 7, 11)`` to spend full steps early; when
@@ -82,7 +84,7 @@ class CacheConfig:
 
     interval: int = 3
     depth: int = 1
-    layers: Optional[int] = None
+    layers: Union[int, str, None] = "auto"
     start: int = 0
     stop: Optional[int] = None
     full_steps: Optional[Tuple[int, ...]] = None
@@ -95,10 +97,10 @@ class CacheConfig:
         if not is_int(self.depth) or self.depth < 1:
             raise ValueError("depth must be an integer >= 1 (levels of a UNet, or blocks at each end of a "
                              f"transformer, that run on every step); got {self.depth!r}")
-        if self.layers is not None and (not is_int(self.layers) or self.layers < 1):
-            raise ValueError("layers must be None or an integer >= 1 (layers of the last up block that run on a "
-                             f"cached step); got {self.layers!r}")
-        if self.layers is not None and self.depth != 1:
+        if self.layers is not None and self.layers != AUTO and (not is_int(self.layers) or self.layers < 1):
+            raise ValueError(f"layers must be {AUTO!r}, None or an integer >= 1 (layers of the last up block that run "
+                             f"on a cached step); got {self.layers!r}")
+        if is_int(self.layers) and self.depth != 1:
             raise ValueError(f"layers={self.layers!r} cuts inside the first level, so it needs depth=1; got "
                              f"depth={self.depth!r}")
         if not is_int(self.start) or self.start < 0:
@@ -108,7 +110,7 @@ class CacheConfig:
                              f"got {self.stop!r}")
         for name in ("interval", "depth", "layers", "start", "stop"):
             value = getattr(self, name)
-            if value is not None:
+            if is_int(value):
                 store(name, int(value))
         if self.full_steps is not None:
             steps = self.full_steps
@@ -181,7 +183,8 @@ class StepCache:
             calls.reset_clock()
 
     def status(self) -> Dict[str, Any]:
-        return {"settings": self.config.to_dict(), "deep_blocks": len(self.deep), "calls": self.calls,
+        return {"settings": self.config.to_dict(), "layers": self.layout.layers, "deep_blocks": len(self.deep),
+                "calls": self.calls,
                 "full_calls": self.full_calls, "cached_calls": self.cached_calls, "fallbacks": self.fallbacks,
                 "grad_calls": self.grad_calls}
 
@@ -279,7 +282,7 @@ def _models(obj: Any, for_apply: bool) -> List[Tuple[str, paddle.nn.Layer]]:
 def apply_cache(obj: Any, config: Optional[CacheConfig] = None, **options: Any) -> Any:
     """Put a step cache on a pipeline (its UNet and ControlNets, or its SD3 / DiT / PixArt-alpha transformer), on a
     model, a MultiControlNet or a list of them; returns ``obj``. ``config`` is a :class:`CacheConfig` (e.g.
-    ``CacheConfig(interval=3)``), ``options`` its fields by name (``interval=3, depth=1, layers=None, start=0,
+    ``CacheConfig(interval=3)``), ``options`` its fields by name (``interval=3, depth=1, layers="auto", start=0,
     stop=None, full_steps=None``); options given with a config replace those fields of it. Applying again replaces
     the settings; :func:`remove_cache` takes it off. Bad settings raise ``ValueError`` naming the argument before
     anything changes. For inference: the kept features are the tensors of the last full step.
@@ -372,10 +375,11 @@ def cache_status(obj: Any) -> Dict[str, Optional[Dict[str, Any]]]:
     return status
 
 
-def deep_blocks(model: paddle.nn.Layer, depth: int) -> List[Tuple[str, paddle.nn.Layer]]:
-    """The parts of a UNet or ControlNet that run only on full steps at ``depth``, in call order (see
-    :func:`~ppdiffusers_tome.cache_layout.layout_of`)."""
-    return layout_of(model, CacheConfig(depth=depth)).deep
+def deep_blocks(model: paddle.nn.Layer, depth: int = 1,
+                layers: Union[int, str, None] = AUTO) -> List[Tuple[str, paddle.nn.Layer]]:
+    """The parts of a UNet or ControlNet that run only on full steps at ``depth`` and ``layers`` (as
+    :class:`CacheConfig` takes them), in call order (see :func:`~ppdiffusers_tome.cache_layout.layout_of`)."""
+    return layout_of(model, CacheConfig(depth=depth, layers=layers)).deep
 
 
 CONFIG_FIELDS = tuple(field.name for field in fields(CacheConfig))

@@ -9,7 +9,7 @@ import pytest
 import ppdiffusers_tome
 from ppdiffusers_tome.cache_layout import layout_of
 from ppdiffusers_tome.step_cache import CacheConfig
-from ppdiffusers_tome.testing import tiny_controlnet_pipeline, tiny_sd_pipeline, tiny_unet
+from ppdiffusers_tome.testing import tiny_controlnet_pipeline, tiny_dit_transformer, tiny_sd_pipeline, tiny_unet
 from tests.conftest import run
 from tests.test_pipelines import control_image
 
@@ -110,13 +110,35 @@ def test_a_finer_branch_composes_with_tome_and_controlnets():
 
 
 @pytest.mark.parametrize("options, message", [
-    (dict(layers=0), r"layers must be None or an integer >= 1"),
+    (dict(layers=0), r"layers must be 'auto', None or an integer >= 1"),
     (dict(layers=3), r"layers must be in \[1, 2\]"),
     (dict(layers=1, depth=2), r"layers=1 cuts inside the first level, so it needs depth=1"),
-    (dict(layers=1.0), r"layers must be None or an integer >= 1"),
+    (dict(layers=1.0), r"layers must be 'auto', None or an integer >= 1"),
+    (dict(layers="Auto"), r"layers must be 'auto', None or an integer >= 1"),
 ])
 def test_bad_layers_are_refused_by_name_with_their_range(options, message):
     unet = sd15_layout_unet().apply_cache(interval=2)
     with pytest.raises(ValueError, match=message):
         unet.apply_cache(**options)
-    assert ppdiffusers_tome.cache_status(unet)["UNet2DConditionModel"]["settings"]["layers"] is None
+    status = ppdiffusers_tome.cache_status(unet)["UNet2DConditionModel"]
+    assert status["settings"]["layers"] == "auto" and status["layers"] == 1
+
+
+def test_the_default_is_the_finest_branch_on_unets_at_depth_1_and_the_whole_level_elsewhere():
+    """``layers="auto"``: 1 on a UNet and a ControlNet at depth 1 (the same outputs as ``layers=1``, not those of
+    ``layers=None``), None at depth 2 and on a transformer-only model."""
+    pipe = tiny_controlnet_pipeline(1)
+    pipe.apply_cache(interval=2)
+    assert {name: s["layers"] for name, s in ppdiffusers_tome.cache_status(pipe).items()} == \
+        {"unet": 1, "controlnet": 1}
+    default = run(pipe, steps=4, image=control_image())
+    pipe.apply_cache(interval=2, layers=1)
+    np.testing.assert_array_equal(run(pipe, steps=4, image=control_image()), default)
+    pipe.apply_cache(interval=2, layers=None)
+    assert np.abs(run(pipe, steps=4, image=control_image()) - default).max() > 1e-6
+    unet = sd15_layout_unet().apply_cache(interval=2, depth=2)
+    assert ppdiffusers_tome.cache_status(unet)["UNet2DConditionModel"]["layers"] is None
+    transformer = ppdiffusers_tome.apply_cache(tiny_dit_transformer(), interval=2)
+    assert [s["layers"] for s in ppdiffusers_tome.cache_status(transformer).values()] == [None]
+    with pytest.raises(ValueError, match="layers=1 cuts inside a UNet's first level"):
+        ppdiffusers_tome.apply_cache(transformer, layers=1)

@@ -19,9 +19,10 @@ STEPS = 5  # interval 3: full, cached, cached, full, cached
 
 
 def step_unet():
-    """A two-level UNet of 32 channels: level 0 (a cross-attention down block and up block) is the shallow branch a
-    cached step runs; level 1 (plain down and up blocks), the mid block (with a transformer) and the downsampler of
-    level 0 are the deep part it skips. Converting costs about the layers traced (SOT mode most), here half what the
+    """A two-level UNet of 32 channels: level 0 (a cross-attention down block and up block) is the shallow branch;
+    level 1 (plain down and up blocks), the mid block (with a transformer) and the downsampler of level 0 are deep.
+    At the default ``layers="auto"`` (1) a cached step runs ``conv_in``, the last resnet + transformer pair of the
+    last up block and the output layers; at ``layers=None`` all of level 0. Converting costs about the layers traced (SOT mode most), here half what the
     three-level tiny preset costs; the properties checked do not depend on the depth."""
     return tiny_unet(block_out_channels=(32, 32), down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
                      up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"))
@@ -68,14 +69,15 @@ Export = collections.namedtuple("Export", "unet programs steps vanilla eager sch
 
 @pytest.fixture(scope="module")
 def exports(tmp_path_factory):
-    """``export(full_graph, tome)``: :func:`step_unet` (with ToMe if ``tome``) cached with interval 3, its vanilla
+    """``export(full_graph, tome, layers)``: :func:`step_unet` (with ToMe if ``tome``) cached with interval 3 and
+    ``layers``, its vanilla
     and eager cached outputs on the STEPS steps of batch 2, its two programs converted for batch 2 and run on the
     fixed schedule, then saved. Each configuration is converted and saved once for the module, by the first test
     that asks for it; the tests only read what it holds."""
     built = {}
 
-    def export(full_graph, tome):
-        if (full_graph, tome) not in built:
+    def export(full_graph, tome, layers="auto"):
+        if (full_graph, tome, layers) not in built:
             unet = step_unet()
             unet.eval()
             steps = step_inputs(2)
@@ -83,7 +85,7 @@ def exports(tmp_path_factory):
                 vanilla = [unet(*args).sample.numpy() for args in steps]
             if tome:
                 unet.apply_tome(ratio=0.5, use_rand=False)
-            unet.apply_cache(interval=3)
+            unet.apply_cache(interval=3, layers=layers)
             eager = eager_outputs(unet, steps)
             programs = StepPrograms(unet)
             full, cached = convert(programs, steps, full_graph)
@@ -91,8 +93,8 @@ def exports(tmp_path_factory):
             folder = tmp_path_factory.mktemp("programs")
             paddle.jit.save(full, str(folder / "full"))
             paddle.jit.save(cached, str(folder / "cached"))
-            built[full_graph, tome] = Export(unet, programs, steps, vanilla, eager, scheduled, folder)
-        return built[full_graph, tome]
+            built[full_graph, tome, layers] = Export(unet, programs, steps, vanilla, eager, scheduled, folder)
+        return built[full_graph, tome, layers]
 
     return export
 
@@ -101,10 +103,12 @@ def load_programs(folder):
     return paddle.jit.load(str(folder / "full")), paddle.jit.load(str(folder / "cached"))
 
 
-@pytest.mark.parametrize("full_graph, tome", [(True, False), (False, False), (True, True)],
-                         ids=["ast", "sot", "ast-tome"])
-def test_the_two_programs_convert_save_load_and_give_the_eager_cache_outputs(exports, full_graph, tome):
-    done = exports(full_graph, tome)
+@pytest.mark.parametrize("full_graph, tome, layers", [(True, False, "auto"), (False, False, "auto"),
+                                                       (True, True, "auto"), (True, False, None)],
+                         ids=["ast", "sot", "ast-tome", "ast-whole-level"])
+def test_the_two_programs_convert_save_load_and_give_the_eager_cache_outputs(exports, full_graph, tome, layers):
+    done = exports(full_graph, tome, layers)
+    assert ppdiffusers_tome.cache_status(done.unet)["UNet2DConditionModel"]["layers"] == (1 if layers else None)
     assert np.abs(done.eager[1] - done.vanilla[1]).max() > 1e-3  # step 1 is cached: it differs from vanilla
     for got, want in zip(done.scheduled, done.eager):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
@@ -113,19 +117,26 @@ def test_the_two_programs_convert_save_load_and_give_the_eager_cache_outputs(exp
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_the_cached_program_holds_the_shallow_branch_only(exports):
-    done = exports(full_graph=True, tome=False)  # (the programs of the "ast" case above)
+@pytest.mark.parametrize("layers", ["auto", None], ids=["one-layer", "whole-level"])
+def test_the_cached_program_holds_the_layers_that_run_only(exports, layers):
+    done = exports(full_graph=True, tome=False, layers=layers)  # (the programs of the "ast" cases above)
     unet = done.unet
 
     def size(params):
         return sum(int(np.prod(p.shape)) for p in params)
 
-    deep = size(p for _, block in deep_blocks(unet, 1) for p in block.parameters())
+    deep = size(p for _, block in deep_blocks(unet, 1, layers) for p in block.parameters())
     downsampler = size(unet.down_blocks[0].downsamplers.parameters())  # kept like the deep blocks: dropped too
+    first_level = size(unet.down_blocks[0].parameters()) - downsampler + size(unet.up_blocks[-1].parameters())
     assert deep > downsampler > 0
     full, cached = load_programs(done.folder)
     assert size(full.parameters()) == size(unet.parameters())
     assert size(cached.parameters()) == size(unet.parameters()) - deep
+    # one layer: of the first level only the last up layer (its resnet and transformer) is in the cached program
+    last_pair = size(unet.up_blocks[-1].resnets[-1].parameters()) + size(unet.up_blocks[-1].attentions[-1].parameters())
+    shallow = size(unet.parameters()) - size(p for _, block in deep_blocks(unet, 1, None) for p in block.parameters())
+    expected = shallow - first_level + last_pair if layers else shallow
+    assert size(cached.parameters()) == expected
 
 
 def test_a_dynamic_batch_exports_once_and_runs_batches_1_and_3(tmp_path):

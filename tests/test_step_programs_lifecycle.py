@@ -48,9 +48,3 @@ def test_scheduled_steps_run_a_full_step_when_the_batch_changes():
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
     status = ppdiffusers_tome.cache_status(unet)["UNet2DConditionModel"]
     assert status["fallbacks"] == 1
-
-
-def test_a_finer_branch_is_refused_for_step_programs_by_name():
-    unet = ppdiffusers_tome.apply_cache(tiny_unet(), interval=2, layers=1)
-    with pytest.raises(ValueError, match="layers=1"):
-        StepPrograms(unet)
