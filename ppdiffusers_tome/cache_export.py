@@ -47,8 +47,8 @@ class _Step(paddle.nn.Layer):
             raise ValueError(f"{type(unet).__name__} has no step cache: call apply_cache on it before building its "
                              "step programs")
         if getattr(unet, "up_blocks", None) is None:
-            raise ValueError(f"step programs are built for a UNet (the shallow branch reads the last deep up block's "
-                             f"output); {type(unet).__name__} has no up blocks")
+            raise ValueError(f"step programs are built for a UNet (a cached step reads the output of a deep part of "
+                             f"its up blocks); {type(unet).__name__} has no up blocks")
         self.unet = unet
         self._cache = cache
         self._live = cache.deep[-1][0]  # the last deep part: up_blocks[-depth - 1], or a layer of up_blocks[-1]

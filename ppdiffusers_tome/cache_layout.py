@@ -137,13 +137,22 @@ class UNetLayout(Layout):
         return [(_KeptOutput(cache, name, first=i == 0), layer) for i, (name, layer) in enumerate(self.deep)]
 
 
-def _most_layers(model: paddle.nn.Layer) -> Tuple[int, int, int]:
-    """``(most, count, first)``: the largest ``layers`` a UNet or ControlNet takes, the layers of its last up block
-    (a ControlNet's first down block) and of its first down block."""
+def _paired(block: paddle.nn.Layer) -> bool:
+    """Whether ``block`` is a stack of layers (each resnet followed by its attention, or no attention at all), the
+    structure the finer branches cut; skip blocks (one attention after all their resnets) are not."""
+    attentions = getattr(block, "attentions", None) or []
+    return len(attentions) in (0, len(block.resnets))
+
+
+def _most_layers(model: paddle.nn.Layer) -> int:
+    """The largest ``layers`` a UNet or ControlNet takes: at least one layer of the last up block must be cached
+    (a UNet), and the skip connections of the layers that run come from the first down block's layers; 0 when its
+    first level is not a stack of layers."""
     down, up = model.down_blocks, getattr(model, "up_blocks", None)
-    count = len((up[-1] if up is not None else down[0]).resnets)
     first = len(down[0].resnets)
-    return (min(count - 1, first + 1) if up is not None else first + 1), count, first
+    if not _paired(down[0]) or (up is not None and not _paired(up[-1])):
+        return 0
+    return min(len(up[-1].resnets) - 1, first + 1) if up is not None else first + 1
 
 
 def _check_unet(model: paddle.nn.Layer, depth: int, layers: Optional[int], name: str) -> None:
@@ -151,12 +160,18 @@ def _check_unet(model: paddle.nn.Layer, depth: int, layers: Optional[int], name:
     if not depth < len(down) or (up is not None and len(up) != len(down)):
         raise ValueError(f"depth must be in [1, {len(down) - 1}] for {name} ({len(down)} down blocks: at least one "
                          f"level must stay deep); got {depth}")
-    if layers is not None:
-        most, count, first = _most_layers(model)
-        if not 1 <= layers <= most:
-            raise ValueError(f"layers must be in [1, {most}] for {name} (the last up block has {count} layers, the "
-                             f"first down block {first}; at least one layer of the last up block must be cached); "
-                             f"got {layers}")
+    if layers is None:
+        return
+    most = _most_layers(model)
+    if most == 0:
+        raise ValueError(f"layers={layers} cuts the first level into layers, and {name}'s first level is not a stack "
+                         "of resnet + attention layers (a skip block, or one layer only): use layers=None")
+    if not 1 <= layers <= most:
+        first = len(down[0].resnets)
+        where = (f"the last up block has {len(up[-1].resnets)} layers, the first down block {first}; at least one "
+                 "layer of the last up block must be cached" if up is not None else
+                 f"a ControlNet: the first down block has {first} layers")
+        raise ValueError(f"layers must be in [1, {most}] for {name} ({where}); got {layers}")
 
 
 class _Segment(Hook):
@@ -246,7 +261,7 @@ def layout_of(model: Any, config: Any, name: Optional[str] = None) -> Optional[L
     if _is_unet(model):
         depth, layers = (1, None) if config is None else (config.depth, config.layers)
         if layers == AUTO:
-            layers = 1 if depth == 1 and _most_layers(model)[0] >= 1 else None
+            layers = 1 if depth == 1 and _most_layers(model) >= 1 else None
         if config is not None:
             _check_unet(model, depth, layers, name)
         return UNetLayout(model, depth, layers)

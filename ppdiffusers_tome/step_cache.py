@@ -38,7 +38,7 @@ from .cache_layout import AUTO, Layout, layout_of
 from .calls import drop_calls_if_alone, model_calls, refuse_if_running
 from .ops.runtime import converting
 from .registry import LOCK, Hook, StaticGraphError, add_hook, hooks_of, remove_hook
-from .config import is_int
+from .config import _as_choice, _shown, is_int
 from .targets import resolve
 
 __all__ = ["CacheConfig", "StepCache", "StepCacheError", "apply_cache", "cache_status", "get_cache", "remove_cache",
@@ -97,9 +97,11 @@ class CacheConfig:
         if not is_int(self.depth) or self.depth < 1:
             raise ValueError("depth must be an integer >= 1 (levels of a UNet, or blocks at each end of a "
                              f"transformer, that run on every step); got {self.depth!r}")
-        if self.layers is not None and self.layers != AUTO and (not is_int(self.layers) or self.layers < 1):
+        if _as_choice(self.layers, (AUTO,)) is not None:
+            store("layers", AUTO)  # (a numpy str as a plain one)
+        elif self.layers is not None and (not is_int(self.layers) or self.layers < 1):
             raise ValueError(f"layers must be {AUTO!r}, None or an integer >= 1 (layers of the last up block that run "
-                             f"on a cached step); got {self.layers!r}")
+                             f"on a cached step); got {_shown(self.layers)}")
         if is_int(self.layers) and self.depth != 1:
             raise ValueError(f"layers={self.layers!r} cuts inside the first level, so it needs depth=1; got "
                              f"depth={self.depth!r}")
@@ -360,7 +362,8 @@ def reset_cache(obj: Any) -> Any:
 
 def cache_status(obj: Any) -> Dict[str, Optional[Dict[str, Any]]]:
     """Per model of ``obj`` a step cache can go on: ``None`` without a step cache, else its ``settings``, the number
-    of ``deep_blocks`` and the counters ``calls``, ``full_calls``, ``cached_calls``, ``fallbacks`` (cached steps
+    of ``deep_blocks``, the ``layers`` in effect (``layers="auto"`` resolved: an int, or None for whole levels) and
+    the counters ``calls``, ``full_calls``, ``cached_calls``, ``fallbacks`` (cached steps
     computed in full because the input's shape differed from the kept step's) and ``grad_calls`` (calls with
     gradients on, always full).
 

@@ -115,6 +115,7 @@ def test_a_finer_branch_composes_with_tome_and_controlnets():
     (dict(layers=1, depth=2), r"layers=1 cuts inside the first level, so it needs depth=1"),
     (dict(layers=1.0), r"layers must be 'auto', None or an integer >= 1"),
     (dict(layers="Auto"), r"layers must be 'auto', None or an integer >= 1"),
+    (dict(layers=np.array([1, 2])), r"layers must be 'auto', None or an integer >= 1.*not an array or a Tensor"),
 ])
 def test_bad_layers_are_refused_by_name_with_their_range(options, message):
     unet = sd15_layout_unet().apply_cache(interval=2)
@@ -122,6 +123,7 @@ def test_bad_layers_are_refused_by_name_with_their_range(options, message):
         unet.apply_cache(**options)
     status = ppdiffusers_tome.cache_status(unet)["UNet2DConditionModel"]
     assert status["settings"]["layers"] == "auto" and status["layers"] == 1
+    assert type(CacheConfig(layers=np.str_("auto")).layers) is str  # a numpy str is taken as the plain one
 
 
 def test_the_default_is_the_finest_branch_on_unets_at_depth_1_and_the_whole_level_elsewhere():
@@ -142,3 +144,18 @@ def test_the_default_is_the_finest_branch_on_unets_at_depth_1_and_the_whole_leve
     assert [s["layers"] for s in ppdiffusers_tome.cache_status(transformer).values()] == [None]
     with pytest.raises(ValueError, match="layers=1 cuts inside a UNet's first level"):
         ppdiffusers_tome.apply_cache(transformer, layers=1)
+
+
+def test_a_first_level_that_is_not_a_stack_of_layers_keeps_the_whole_level_and_refuses_an_integer():
+    """A skip block (ScoreSdeVe's UNet2DModel) runs one attention after all its resnets: no layer to cut at, so
+    ``"auto"`` means the whole first level there and an integer ``layers`` is refused by name."""
+    from ppdiffusers import UNet2DModel
+
+    paddle.seed(0)
+    unet = UNet2DModel(sample_size=16, in_channels=3, out_channels=3, layers_per_block=1, block_out_channels=(32, 32),
+                       down_block_types=("AttnSkipDownBlock2D", "SkipDownBlock2D"),
+                       up_block_types=("SkipUpBlock2D", "AttnSkipUpBlock2D"), norm_num_groups=8,
+                       attention_head_dim=8, resnet_time_scale_shift="scale_shift")
+    assert layout_of(unet, CacheConfig()).layers is None
+    with pytest.raises(ValueError, match="is not a stack of resnet \\+ attention layers"):
+        layout_of(unet, CacheConfig(layers=1))

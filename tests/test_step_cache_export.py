@@ -11,7 +11,7 @@ from paddle.static import InputSpec
 
 import ppdiffusers_tome
 from ppdiffusers_tome.cache_export import ScheduledSteps, StepPrograms
-from ppdiffusers_tome.step_cache import CacheConfig, deep_blocks
+from ppdiffusers_tome.step_cache import CacheConfig, deep_blocks, get_cache
 from ppdiffusers_tome.testing import tiny_controlnet, tiny_sdxl_pipeline, tiny_unet
 from ppdiffusers_tome.tools.measure import TransferCounter
 
@@ -22,8 +22,9 @@ def step_unet():
     """A two-level UNet of 32 channels: level 0 (a cross-attention down block and up block) is the shallow branch;
     level 1 (plain down and up blocks), the mid block (with a transformer) and the downsampler of level 0 are deep.
     At the default ``layers="auto"`` (1) a cached step runs ``conv_in``, the last resnet + transformer pair of the
-    last up block and the output layers; at ``layers=None`` all of level 0. Converting costs about the layers traced (SOT mode most), here half what the
-    three-level tiny preset costs; the properties checked do not depend on the depth."""
+    last up block and the output layers; at ``layers=None`` all of level 0. Converting costs about the layers traced
+    (SOT mode most), here half what the three-level tiny preset costs; the properties checked do not depend on the
+    depth."""
     return tiny_unet(block_out_channels=(32, 32), down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
                      up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"))
 
@@ -137,6 +138,27 @@ def test_the_cached_program_holds_the_layers_that_run_only(exports, layers):
     shallow = size(unet.parameters()) - size(p for _, block in deep_blocks(unet, 1, None) for p in block.parameters())
     expected = shallow - first_level + last_pair if layers else shallow
     assert size(cached.parameters()) == expected
+
+
+def sd15_layout_unet():
+    """SD-1.5's block layout (2 layers per down block, 3 per up block) with narrow channels."""
+    return tiny_unet(block_out_channels=(32, 32, 32, 32), layers_per_block=2,
+                     down_block_types=("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
+                     up_block_types=("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3)
+
+
+@pytest.mark.parametrize("layers, kept", [(2, "Transformer2DModel"), (None, "CrossAttnUpBlock2D")])
+def test_every_branch_of_sd15s_layout_runs_as_two_step_programs_with_the_eager_cache_outputs(layers, kept):
+    """Eager step programs (the structure a conversion traces) on SD-1.5's layout at DeepCache's branch 1 and 2."""
+    unet = sd15_layout_unet()
+    unet.eval()
+    steps = step_inputs(2)
+    unet.apply_cache(interval=3, layers=layers)
+    assert type(get_cache(unet).deep[-1][1]).__name__ == kept  # the layer whose output the cached program takes
+    eager = eager_outputs(unet, steps)
+    programs = StepPrograms(unet)
+    for got, want in zip(scheduled_outputs(programs.full, programs.cached, programs.config, steps), eager):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
 def test_a_dynamic_batch_exports_once_and_runs_batches_1_and_3(tmp_path):
