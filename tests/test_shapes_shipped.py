@@ -103,7 +103,9 @@ def test_random_weights_cannot_reach_the_threshold(fixed):
     prompts, targets, model = fixed
     pipe = build_pipeline(seed=1)  # (one draw of random weights: each of three scored 0.10 when the weights shipped)
     pipe.set_progress_bar_config(disable=True)
-    untrained, scores = _mean_accuracy(model, _generate(pipe, prompts), targets)
+    half = FIXED_PROMPTS // 2  # the first half of the captions: far below the threshold, at half the cost
+    untrained, scores = _mean_accuracy(model, _generate(pipe, prompts[:half]),
+                                       {head: indices[:half] for head, indices in targets.items()})
     assert untrained < ACCURACY_THRESHOLD and scores["background"] < BACKGROUND_THRESHOLD, scores
 
 
