@@ -8,8 +8,8 @@ runs each configuration once (after one untimed forward each), in a rotated orde
 seconds and the range of the per-round speed-ups, the relative L2 distance of the output to vanilla's for each input
 seed (mean and spread), the FLOP ceiling (image q/k/v/o and MLP, text q/k/v/o and MLP, joint attention; AdaLN
 and embeddings left out) and the memory a forward adds at its peak (``PeakMemory`` around the last untimed forward:
-the resident set on a CPU, sampled every 10 ms; Paddle's allocated bytes on a GPU). With ``--loop-steps N`` it also times a whole N-step denoising loop per configuration
-(:data:`LOOP_CONFIGS`) over ``--seeds`` seeds (``--loop-only``: no forward table). With ``--ops-per-block`` it times
+the resident set on a CPU, sampled every 10 ms; Paddle's allocated bytes on a GPU). With ``--loop-steps N`` it also
+times a whole N-step denoising loop per configuration (:data:`LOOP_CONFIGS`) over ``--seeds`` seeds (``--loop-only``: no forward table). With ``--ops-per-block`` it times
 nothing: it counts the eager operators of one ``JointTransformerBlock`` call (:func:`block_op_rows`) per
 configuration of :data:`OPS_CONFIGS`, with the GPU kernels forced and with the CPU's. Prints tables and writes JSON:
 
@@ -120,7 +120,7 @@ def measure(size: int, model: Any, rounds: int, seeds: int) -> List[Dict[str, An
     names = list(CONFIGS)
     outputs: Dict[str, List[np.ndarray]] = {name: [] for name in names}
     seconds: Dict[str, List[float]] = {name: [] for name in names}
-    peaks: Dict[str, int] = {}
+    peaks: Dict[str, PeakMemory] = {}
     for name in names:  # the outputs of every input seed (untimed); the last one's peak memory
         ppdiffusers_tome.remove_tome(model)
         if CONFIGS[name] is not None:
@@ -129,7 +129,7 @@ def measure(size: int, model: Any, rounds: int, seeds: int) -> List[Dict[str, An
             kwargs = inputs(size, seed)
             with PeakMemory() as memory:
                 outputs[name].append(forward(model, kwargs))
-            peaks[name] = memory.added_bytes
+            peaks[name] = memory
     timed = inputs(size, 0)
     for round_ in range(rounds):
         shift = round_ % len(names)
@@ -153,7 +153,7 @@ def measure(size: int, model: Any, rounds: int, seeds: int) -> List[Dict[str, An
             "seconds": statistics.median(seconds[name]), "speedup": statistics.median(speedups),
             "speedup_range": [min(speedups), max(speedups)],
             "rel_l2": float(np.mean(distances)), "rel_l2_sd": float(np.std(distances)),
-            "peak_added_mib": peaks[name] / 2**20, "peak_kind": memory.kind,
+            "peak_added_mib": peaks[name].added_bytes / 2**20, "peak_kind": peaks[name].kind,
             "flop_ceiling": flop_ceiling(image_tokens, WIDTH, options.get("ratio", 0.0), options.get("merge_mlp", False),
                                          factor=options.get("downsample_factor", 2) if options.get("method") == "todo"
                                          else 1) if options else 1.0,

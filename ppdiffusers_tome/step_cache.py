@@ -84,7 +84,7 @@ class CacheConfig:
 
     interval: int = 3
     depth: int = 1
-    layers: Union[int, str, None] = "auto"
+    layers: Union[int, str, None] = AUTO
     start: int = 0
     stop: Optional[int] = None
     full_steps: Optional[Tuple[int, ...]] = None
@@ -186,9 +186,8 @@ class StepCache:
 
     def status(self) -> Dict[str, Any]:
         return {"settings": self.config.to_dict(), "layers": self.layout.layers, "deep_blocks": len(self.deep),
-                "calls": self.calls,
-                "full_calls": self.full_calls, "cached_calls": self.cached_calls, "fallbacks": self.fallbacks,
-                "grad_calls": self.grad_calls}
+                "calls": self.calls, "full_calls": self.full_calls, "cached_calls": self.cached_calls,
+                "fallbacks": self.fallbacks, "grad_calls": self.grad_calls}
 
     def __getstate__(self) -> Dict[str, Any]:
         state = dict(self.__dict__)
