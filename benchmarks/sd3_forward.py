@@ -222,10 +222,13 @@ def print_op_rows(rows: List[Dict[str, Any]]) -> None:
 WIDTH = 384
 LOOP_CONFIGS: Dict[str, Dict[str, Any]] = {
     "vanilla": {},
+    "ToMe 0.3, attention": dict(tome=dict(ratio=0.3)),
     "ToMe 0.5, attention": dict(tome=dict(ratio=0.5)),
+    "ToMe 0.3, attention + MLP": dict(tome=dict(ratio=0.3, merge_mlp=True)),
     "ToMe 0.5, attention + MLP": dict(tome=dict(ratio=0.5, merge_mlp=True)),
     "ToDo, factor 2": dict(tome=dict(method="todo")),
     "cache 3": dict(cache=dict(interval=3)),
+    "ToMe 0.5, attention, + cache 3": dict(tome=dict(ratio=0.5), cache=dict(interval=3)),
     "ToMe 0.5, attention + MLP, + cache 3": dict(tome=dict(ratio=0.5, merge_mlp=True), cache=dict(interval=3)),
 }
 
@@ -250,10 +253,13 @@ def denoise(model: Any, size: int, steps: int, seed: int) -> np.ndarray:
 
 
 def measure_loop(size: int, model: Any, steps: int, seeds: int) -> List[Dict[str, Any]]:
-    """Every configuration of :data:`LOOP_CONFIGS` for ``seeds`` seeds, side by side (rotated order per seed)."""
+    """Every configuration of :data:`LOOP_CONFIGS` for ``seeds`` seeds, side by side (rotated order per seed); the
+    memory a loop adds at its peak (the largest over the seeds; the step cache's stored outputs included), sampled
+    every 50 ms around every timed loop alike."""
     names = list(LOOP_CONFIGS)
     seconds: Dict[str, List[float]] = {name: [] for name in names}
     finals: Dict[str, List[np.ndarray]] = {name: [] for name in names}
+    peaks: Dict[str, List[PeakMemory]] = {name: [] for name in names}
     for seed in range(seeds):
         shift = seed % len(names)
         for name in names[shift:] + names[:shift]:
@@ -264,9 +270,11 @@ def measure_loop(size: int, model: Any, steps: int, seeds: int) -> List[Dict[str
                 ppdiffusers_tome.apply_tome(model, **config["tome"])
             if "cache" in config:
                 ppdiffusers_tome.apply_cache(model, **config["cache"])
-            began = time.perf_counter()
-            finals[name].append(denoise(model, size, steps, seed))
-            seconds[name].append(time.perf_counter() - began)
+            with PeakMemory(interval=0.05) as memory:
+                began = time.perf_counter()
+                finals[name].append(denoise(model, size, steps, seed))
+                seconds[name].append(time.perf_counter() - began)
+            peaks[name].append(memory)
             print(f"{size} px {steps} steps seed {seed} {name:>28}: {seconds[name][-1]:.2f} s", flush=True)
     ppdiffusers_tome.remove_tome(model)
     ppdiffusers_tome.remove_cache(model)
@@ -276,7 +284,10 @@ def measure_loop(size: int, model: Any, steps: int, seeds: int) -> List[Dict[str
         distances = [relative_l2(v, f) for v, f in zip(finals["vanilla"], finals[name])]
         rows.append({"configuration": name, "size": size, "steps": steps, "seconds": statistics.median(seconds[name]),
                      "speedup": statistics.median(speedups), "speedup_range": [min(speedups), max(speedups)],
-                     "rel_l2": float(np.mean(distances)), "rel_l2_sd": float(np.std(distances))})
+                     "rel_l2": float(np.mean(distances)), "rel_l2_sd": float(np.std(distances)),
+                     "rel_l2_per_seed": [float(d) for d in distances],
+                     "peak_added_mib": max(peak.added_bytes for peak in peaks[name]) / 2**20,
+                     "peak_kind": peaks[name][0].kind})
     return rows
 
 
@@ -322,12 +333,13 @@ def main(argv: List[str] | None = None) -> Dict[str, Any]:
     loop = measure_loop(args.sizes[0], model, args.loop_steps, args.seeds) if args.loop_steps else []
     if loop:
         print(f"| size | configuration ({args.loop_steps}-step loop) | s / image | speed-up (range) | "
-              "rel. L2 of the final latents (sd) |")
-        print("| --- | --- | --- | --- | --- |")
+              "rel. L2 of the final latents (sd) | peak added, MiB |")
+        print("| --- | --- | --- | --- | --- | --- |")
         for row in loop:
             low, high = row["speedup_range"]
             print(f"| {row['size']}² | {row['configuration']} | {row['seconds']:.2f} | {row['speedup']:.2f}× "
-                  f"({low:.2f}–{high:.2f}) | {row['rel_l2']:.4f} ({row['rel_l2_sd']:.4f}) |")
+                  f"({low:.2f}–{high:.2f}) | {row['rel_l2']:.4f} ({row['rel_l2_sd']:.4f}) | "
+                  f"{row['peak_added_mib']:.0f} |")
     return write({"version": ppdiffusers_tome.__version__, "loop": loop, "paddle": paddle.__version__,
                   "threads": threads, "layers": args.layers, "width": args.width, "text_tokens": TEXT_TOKENS,
                   "batch": 2, "rows": rows}, argv, args.output)

@@ -59,7 +59,7 @@ def test_ops_per_block_mode_times_nothing_and_writes_json(sd3_forward, tmp_path,
     assert all(row["image_tokens"] == 16 for row in written["rows"])
 
 
-def test_loop_only_times_the_denoising_loop_and_no_forward_table(sd3_forward, monkeypatch, tmp_path):
+def test_loop_only_times_the_denoising_loop_with_peak_memory_and_no_forward_table(sd3_forward, monkeypatch, tmp_path):
     timed = []
     monkeypatch.setattr(sd3_forward, "measure", lambda *args: pytest.fail("the forward table ran"))
     monkeypatch.setattr(sd3_forward, "LOOP_CONFIGS", {"vanilla": {}, "cache 3": dict(cache=dict(interval=3))})
@@ -70,9 +70,23 @@ def test_loop_only_times_the_denoising_loop_and_no_forward_table(sd3_forward, mo
                                "--seeds", "1", "--output", str(output)])
     assert result["rows"] == [] and [row["configuration"] for row in result["loop"]] == ["vanilla", "cache 3"]
     assert timed == [(64, 3, 0), (64, 3, 0)]
-    assert json.loads(output.read_text())["loop"][1]["speedup"] > 0
+    written = json.loads(output.read_text())["loop"]
+    assert written[1]["speedup"] > 0 and written[1]["rel_l2_per_seed"][0] > 0  # the cache moved the latents
+    assert written[0]["rel_l2_per_seed"] == [0.0]
+    assert all(row["peak_added_mib"] >= 0 and row["peak_kind"] == "cpu_peak_rss" for row in written)
     with pytest.raises(SystemExit):
         sd3_forward.main(["--loop-only"])  # nothing to time
+
+
+def test_the_loop_times_every_setting_the_sd3_tables_report(sd3_forward):
+    loop = sd3_forward.LOOP_CONFIGS
+    assert loop["vanilla"] == {}
+    for ratio in (0.3, 0.5):
+        assert loop[f"ToMe {ratio}, attention"] == {"tome": {"ratio": ratio}}
+        assert loop[f"ToMe {ratio}, attention + MLP"] == {"tome": {"ratio": ratio, "merge_mlp": True}}
+    assert loop["ToDo, factor 2"] == {"tome": {"method": "todo"}}
+    assert loop["cache 3"] == {"cache": {"interval": 3}}
+    assert loop["ToMe 0.5, attention, + cache 3"] == {"tome": {"ratio": 0.5}, "cache": {"interval": 3}}
 
 
 def test_the_forward_table_records_speed_distance_and_peak_memory_per_configuration(sd3_forward, monkeypatch, tmp_path):
