@@ -18,7 +18,7 @@ from .config import ToMeConfig
 from .patch import PATCH_LOCK, ModelPatch, find_blocks, get_patch
 from .registry import original_class, set_original_class
 from .step_cache import apply_cache, get_cache, remove_cache
-from .targets import is_multi_controlnet, pipeline_candidates, resolve
+from .targets import fused_sd3_reason, is_fused_sd3, is_multi_controlnet, pipeline_candidates, resolve
 
 logger = logging.getLogger(__name__)
 
@@ -112,24 +112,11 @@ def remove_builtin_tome(model: paddle.nn.Layer) -> bool:
     return found
 
 
-def _is_fused_sd3(model: paddle.nn.Layer) -> bool:
-    """Whether ``model`` is an SD3 transformer that ppdiffusers built with ``INFERENCE_OPTIMIZE=True``: its
-    ``JointTransformerBlock``s are replaced by one fused ``SimplifiedSD3`` layer."""
-    if type(model).__name__ == "SD3Transformer2DModel" and getattr(model, "inference_optimize", False):
-        return True
-    return any(type(layer).__name__ == "SimplifiedSD3" for _, layer in model.named_sublayers(include_self=True))
-
-
 def _unsupported_reason(model: paddle.nn.Layer) -> str:
     """Why ToMe cannot patch a model with no transformer block it knows (``BasicTransformerBlock``,
     ``JointTransformerBlock``), for the error message."""
-    if _is_fused_sd3(model):
-        return (
-            f"{type(model).__name__} was built with the environment variable INFERENCE_OPTIMIZE=True: ppdiffusers "
-            "replaced its JointTransformerBlocks by the fused SimplifiedSD3 transformer, which has no blocks to hook, "
-            "so ToMe could not merge anything in it. Unset INFERENCE_OPTIMIZE (or set it to anything but True) "
-            "before building or loading the model"
-        )
+    if is_fused_sd3(model):
+        return fused_sd3_reason(type(model).__name__, "ToMe")
     names = {type(layer).__name__ for _, layer in model.named_sublayers() if "Block" in type(layer).__name__}
     blocks = sorted(names, key=lambda n: ("Transformer" not in n and "Attention" not in n, n))  # relevant ones first
     if blocks:
@@ -162,7 +149,7 @@ def _targets(obj: Any, for_apply: bool) -> List[Tuple[str, paddle.nn.Layer]]:
     empty = [(n, m) for n, m in targets if not find_blocks(m)]
     if empty:
         reasons = "; ".join(_unsupported_reason(m) for _, m in empty)
-        if all(_is_fused_sd3(m) for _, m in empty):  # (the right model, built the wrong way)
+        if all(is_fused_sd3(m) for _, m in empty):  # (the right model, built the wrong way)
             raise ValueError(reasons)
         raise ValueError(
             f"{reasons}. Apply ToMe to the pipeline, its unet, its controlnet or its DiT / PixArt-alpha / SD3 "

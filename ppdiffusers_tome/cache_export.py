@@ -47,8 +47,11 @@ class _Step(paddle.nn.Layer):
             raise ValueError(f"{type(unet).__name__} has no step cache: call apply_cache on it before building its "
                              "step programs")
         if getattr(unet, "up_blocks", None) is None:
+            what = ("is a transformer-only model, whose step cache runs eagerly only: export it without the cache "
+                    "(remove_cache; ToMe alone exports)" if getattr(unet, "transformer_blocks", None) is not None
+                    else "has no up blocks")
             raise ValueError(f"step programs are built for a UNet (a cached step reads the output of a deep part of "
-                             f"its up blocks); {type(unet).__name__} has no up blocks")
+                             f"its up blocks); {type(unet).__name__} {what}")
         self.unet = unet
         self._cache = cache
         self._live = cache.deep[-1][0]  # the last deep part: up_blocks[-depth - 1], or a layer of up_blocks[-1]

@@ -23,6 +23,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import paddle
 
 from .registry import Hook
+from .targets import fused_sd3_reason, is_fused_sd3
 
 __all__ = ["AUTO", "Layout", "TransformerLayout", "UNetLayout", "layout_of"]
 
@@ -278,6 +279,8 @@ def layout_of(model: Any, config: Any, name: Optional[str] = None) -> Optional[L
         return TransformerLayout(model, config.depth)
     if config is None:
         return None
+    if is_fused_sd3(model):
+        raise ValueError(fused_sd3_reason(name, "the step cache"))
     raise ValueError(
         f"apply_cache needs a UNet2DConditionModel, a ControlNetModel (down_blocks, mid_block, up_blocks) or a "
         f"transformer-only model with at least 3 transformer_blocks (SD3, DiT, PixArt-alpha); {name} "

@@ -34,12 +34,12 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import paddle
 
-from .cache_layout import AUTO, Layout, layout_of
+from .cache_layout import AUTO, Layout, TransformerLayout, layout_of
 from .calls import drop_calls_if_alone, model_calls, refuse_if_running
 from .ops.runtime import converting
 from .registry import LOCK, Hook, StaticGraphError, add_hook, hooks_of, remove_hook
 from .config import _as_choice, _shown, is_int
-from .targets import resolve
+from .targets import fused_sd3_reason, is_fused_sd3, pipeline_candidates, resolve
 
 __all__ = ["CacheConfig", "StepCache", "StepCacheError", "apply_cache", "cache_status", "get_cache", "remove_cache",
            "reset_cache"]
@@ -211,11 +211,7 @@ class _ModelHook(Hook):
         if step.program is not None:  # a StepProgram fixes the kind of step and supplies the kept features
             return self._program(step, args, kwargs)
         if converting():
-            raise StepCacheError(
-                "the step cache keeps deep features between calls in Python, which a static graph cannot hold: "
-                "export the full and the cached step as two programs (ppdiffusers_tome.cache_export.StepPrograms), "
-                "or remove it (remove_cache) before paddle.jit.to_static"
-            )
+            raise StepCacheError(_static_refusal(cache))
         if step.mode is not None:  # the model called inside its own forward: that inner call is plain
             return self.next(*args, **kwargs)
         position, config = model_calls(cache.model).position, cache.config
@@ -259,6 +255,17 @@ class _ModelHook(Hook):
             step.mode = None
 
 
+def _static_refusal(cache: StepCache) -> str:
+    """Why a model with a step cache cannot be converted to a static graph, and what to do instead."""
+    kept = "the step cache keeps deep features between calls in Python, which a static graph cannot hold: "
+    if isinstance(cache.layout, TransformerLayout):
+        return kept + (f"{type(cache.model).__name__} is a transformer-only model, whose step cache has no step "
+                       "programs (they are built for UNets); remove it (remove_cache) before paddle.jit.to_static "
+                       "(ToMe alone exports)")
+    return kept + ("export the full and the cached step as two programs (ppdiffusers_tome.cache_export."
+                   "StepPrograms), or remove it (remove_cache) before paddle.jit.to_static")
+
+
 # public functions ------------------------------------------------------------------------------------------------
 def get_cache(model: Any) -> Optional[StepCache]:
     """The :class:`StepCache` on ``model``, or None."""
@@ -275,6 +282,9 @@ def _models(obj: Any, for_apply: bool) -> List[Tuple[str, paddle.nn.Layer]]:
     """The UNet, ControlNets or transformer a step cache goes on inside ``obj``."""
     pipeline, models = resolve(obj, "apply_cache/remove_cache", _cacheable)
     if for_apply and pipeline is not None and not models:
+        fused = [name for name, model in pipeline_candidates(pipeline) if is_fused_sd3(model)]
+        if fused:
+            raise ValueError(fused_sd3_reason(f"{type(pipeline).__name__}.{fused[0]}", "the step cache"))
         raise ValueError(f"apply_cache needs a pipeline with a UNet, a ControlNet or a transformer-only model (SD3, "
                          f"DiT, PixArt-alpha); {type(pipeline).__name__} has none")
     return models

@@ -14,7 +14,8 @@ import paddle
 
 from .config import is_int
 
-__all__ = ["SKIPPED_COMPONENTS", "Targets", "is_multi_controlnet", "pipeline_candidates", "resolve"]
+__all__ = ["SKIPPED_COMPONENTS", "Targets", "fused_sd3_reason", "is_fused_sd3", "is_multi_controlnet",
+           "pipeline_candidates", "resolve"]
 
 # components of a pipeline that no technique acts on, whatever they contain
 SKIPPED_COMPONENTS = ("vae", "vqvae", "text_encoder", "tokenizer", "safety_checker", "feature_extractor",
@@ -25,6 +26,24 @@ Targets = List[Tuple[str, paddle.nn.Layer]]
 
 def is_multi_controlnet(obj: Any) -> bool:
     return type(obj).__name__ == "MultiControlNetModel" and isinstance(getattr(obj, "nets", None), paddle.nn.LayerList)
+
+
+def is_fused_sd3(model: Any) -> bool:
+    """Whether ``model`` is an SD3 transformer that ppdiffusers built with ``INFERENCE_OPTIMIZE=True``: its
+    ``JointTransformerBlock``s are replaced by one fused ``SimplifiedSD3`` layer."""
+    if not isinstance(model, paddle.nn.Layer):
+        return False
+    if type(model).__name__ == "SD3Transformer2DModel" and getattr(model, "inference_optimize", False):
+        return True
+    return any(type(layer).__name__ == "SimplifiedSD3" for _, layer in model.named_sublayers(include_self=True))
+
+
+def fused_sd3_reason(name: str, technique: str) -> str:
+    """Why ``technique`` cannot act on the fused SD3 transformer ``name`` (see :func:`is_fused_sd3`)."""
+    return (f"{name} was built with the environment variable INFERENCE_OPTIMIZE=True: ppdiffusers replaced its "
+            f"JointTransformerBlocks by the fused SimplifiedSD3 transformer, which has no blocks to hook, so "
+            f"{technique} could not act on it. Unset INFERENCE_OPTIMIZE (or set it to anything but True) before "
+            "building or loading the model")
 
 
 def _expand(obj: Any, name: str, strict: bool, what: str) -> Targets:

@@ -1,0 +1,147 @@
+"""The step cache's options and lifecycle on transformer-only models, as on UNets: ``start``, ``stop`` and
+``full_steps`` choose the full steps of an SD3 pipeline call, ``reset_cache`` starts a directly called transformer at
+step 0, threads keep separate histories, a copied transformer keeps its cache; and the refusals of what cannot be
+done (a fused ``INFERENCE_OPTIMIZE`` SD3, a static graph of a cached transformer, step programs) name the reason."""
+
+import copy
+import pickle
+import threading
+
+import numpy as np
+import paddle
+import pytest
+from paddle.static import InputSpec
+
+import ppdiffusers_tome
+from ppdiffusers_tome.cache_export import StepPrograms
+from ppdiffusers_tome.registry import hooks_of
+from ppdiffusers_tome.step_cache import CacheConfig, StepCacheError, get_cache
+from ppdiffusers_tome.testing import tiny_sd3_pipeline, tiny_sd3_transformer
+from tests.conftest import generator
+from tests.test_sd3_model import NoisePredictor
+from tests.test_sd3_tome import forward, transformer_inputs
+from tests.unet_calls import hook_shape
+
+STEPS = 6
+
+
+def middle_block_steps(transformer):
+    """Record the index (0-based, per model call) of the calls in which the middle block of a 3-block transformer
+    computes (its first norm runs): at ``depth=1`` only full steps compute it (on a cached step the block is still
+    called, and returns its input plus the kept contribution). Returns the record and the hook handles."""
+    calls, ran = [0], []
+    handles = [transformer.register_forward_post_hook(lambda *_: calls.__setitem__(0, calls[0] + 1)),
+               transformer.transformer_blocks[1].norm1.register_forward_pre_hook(lambda *_: ran.append(calls[0]))]
+    return ran, handles
+
+
+@pytest.mark.parametrize("options", [dict(interval=2, start=1, stop=5), dict(interval=3, start=2),
+                                     dict(full_steps=(0, 3, 4))], ids=["start-stop", "start", "full-steps"])
+def test_start_stop_and_full_steps_choose_the_full_steps_of_an_sd3_pipeline_call(options):
+    pipe = tiny_sd3_pipeline().apply_cache(**options)
+    ran, handles = middle_block_steps(pipe.transformer)
+    for _ in range(2):  # every pipeline call starts at step 0
+        images = pipe("a red cube", height=32, width=32, num_inference_steps=STEPS, generator=generator(0),
+                      output_type="np").images
+    for handle in handles:
+        handle.remove()
+    full = [step for step in range(STEPS) if CacheConfig(**options).is_full(step)]
+    assert ran == full + [STEPS + step for step in full] and len(full) < STEPS
+    status = ppdiffusers_tome.cache_status(pipe)["transformer"]
+    assert (status["full_calls"], status["cached_calls"]) == (2 * len(full), 2 * (STEPS - len(full)))
+    assert np.isfinite(images).all()
+
+
+def test_reset_cache_starts_a_directly_called_transformer_at_step_0():
+    model = tiny_sd3_transformer()
+    inputs = [transformer_inputs(batch=2, seed=s, timestep=t) for s, t in enumerate((900.0, 600.0, 300.0))]
+    vanilla = [forward(model, x) for x in inputs]
+    ppdiffusers_tome.apply_cache(model, interval=3)
+    ran, handles = middle_block_steps(model)
+    first, cached = forward(model, inputs[0]), forward(model, inputs[1])
+    ppdiffusers_tome.reset_cache(model)
+    again = forward(model, inputs[2])  # step 0 again: a full step, which computes what the model computes
+    for handle in handles:
+        handle.remove()
+    assert ran == [0, 2]
+    np.testing.assert_array_equal(first, vanilla[0])
+    np.testing.assert_array_equal(again, vanilla[2])
+    assert np.abs(cached - vanilla[1]).max() > 1e-5
+    assert ppdiffusers_tome.cache_status(model)["SD3Transformer2DModel"]["full_calls"] == 2
+
+
+def test_threads_keep_separate_histories_on_one_cached_transformer():
+    model = ppdiffusers_tome.apply_cache(tiny_sd3_transformer(), interval=3)
+    streams = [[transformer_inputs(batch=2, seed=10 * k + i, timestep=t) for i, t in enumerate((900.0, 700.0, 500.0))]
+               for k in range(2)]
+
+    def generate(stream, out, barrier=None):
+        ppdiffusers_tome.reset_cache(model)
+        for inputs in stream:
+            if barrier is not None:
+                barrier.wait()
+            out.append(forward(model, inputs))
+
+    alone, together, errors = [[], []], [[], []], []
+    for stream, out in zip(streams, alone):
+        generate(stream, out)
+    barrier = threading.Barrier(2)
+
+    def work(stream, out):
+        try:
+            generate(stream, out, barrier)
+        except Exception as error:  # pragma: no cover - reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=work, args=(s, o)) for s, o in zip(streams, together)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors and [len(out) for out in together] == [3, 3]
+    for a, b in zip(alone, together):
+        for x, y in zip(a, b):
+            np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.parametrize("copier", [lambda m: pickle.loads(pickle.dumps(m)), copy.deepcopy], ids=["pickle", "deepcopy"])
+def test_a_copy_of_a_cached_transformer_caches_the_same_and_removes_to_vanilla(copier):
+    model = tiny_sd3_transformer()
+    inputs = [transformer_inputs(batch=2, seed=s, timestep=t) for s, t in enumerate((900.0, 600.0))]
+    vanilla = forward(model, inputs[1])
+    ppdiffusers_tome.apply_cache(model, interval=3)
+    twin = copier(model)
+    assert get_cache(twin) is not None and get_cache(twin) is not get_cache(model)
+    assert get_cache(twin).config == get_cache(model).config and hook_shape(twin) == hook_shape(model)
+    expected = [forward(model, x) for x in inputs]
+    np.testing.assert_array_equal(np.stack([forward(twin, x) for x in inputs]), np.stack(expected))
+    ppdiffusers_tome.remove_cache(twin)
+    assert hooks_of(twin) is None
+    np.testing.assert_array_equal(forward(twin, inputs[1]), vanilla)
+    assert np.abs(expected[1] - vanilla).max() > 1e-5  # the second call was a cached one
+
+
+# refusals ------------------------------------------------------------------------------------------------------------
+def test_the_fused_inference_optimize_transformer_is_refused_by_name_by_apply_cache(monkeypatch):
+    monkeypatch.setenv("INFERENCE_OPTIMIZE", "True")
+    model = tiny_sd3_transformer(math_attention=False)
+    pipe = tiny_sd3_pipeline(math_attention=False)
+    monkeypatch.delenv("INFERENCE_OPTIMIZE")
+    for target, name in ((model, "SD3Transformer2DModel"), (pipe, "StableDiffusion3Pipeline.transformer")):
+        with pytest.raises(ValueError, match=f"{name} was built with .*INFERENCE_OPTIMIZE=True") as refused:
+            ppdiffusers_tome.apply_cache(target, interval=3)
+        assert "step cache" in str(refused.value) and "Unset INFERENCE_OPTIMIZE" in str(refused.value)
+    assert hooks_of(model) is None and hooks_of(pipe.transformer) is None
+
+
+def test_a_cached_transformer_refuses_a_static_graph_and_step_programs_naming_what_exports():
+    transformer = ppdiffusers_tome.apply_cache(tiny_sd3_transformer(), interval=3)
+    with pytest.raises(ValueError, match="SD3Transformer2DModel is a transformer-only model.*remove_cache"):
+        StepPrograms(transformer)
+    spec = [InputSpec([None, 16, 16, 16], "float32"), InputSpec([None, 7, 96], "float32"),
+            InputSpec([None, 64], "float32"), InputSpec([None], "float32")]
+    static = paddle.jit.to_static(NoisePredictor(transformer), input_spec=spec, full_graph=True)
+    with pytest.raises(StepCacheError, match="transformer-only model.*remove_cache.*ToMe alone exports") as refused:
+        paddle.jit.save(static, "/tmp/never_written_cached_sd3")
+    assert "StepPrograms" not in str(refused.value)
+    assert get_cache(transformer) is not None
