@@ -8,6 +8,7 @@ on the steps between, only its first and last blocks, adding what the blocks bet
     python examples/sd3.py                                   # tiny offline SD3 model, random weights, on any device
     python examples/sd3.py --model /path/to/stable-diffusion-3-medium --size 1024 --steps 28 --merge-mlp
     python examples/sd3.py --ratio 0.3 --cache 0             # ToMe only, no cache runs
+    python examples/sd3.py --todo                            # ToDo (the image keys and values downsampled) for ToMe
 
 A --model folder without a text_encoder_3 folder is loaded without T5 (SD3 then runs on its two CLIP encoders).
 On a CPU the joint attention runs through ppdiffusers_tome.joint_attention's math processor, as ppdiffusers' own
@@ -58,13 +59,13 @@ def load_sd3(folder, dtype):
     return pipe
 
 
-def configure(pipe, ratio, merge_mlp, interval):
-    """Put exactly the techniques of one run on ``pipe``: ToMe at ``ratio`` (None: off), the cache every
-    ``interval`` steps (None: off)."""
+def configure(pipe, ratio, merge_mlp, interval, todo=False):
+    """Put exactly the techniques of one run on ``pipe``: ToMe at ``ratio`` (None: off; with ``todo``, ToDo in its
+    place, which has no ratio), the cache every ``interval`` steps (None: off)."""
     pipe.remove_tome()
     pipe.remove_cache()
     if ratio is not None:
-        pipe.apply_tome(ratio=ratio, merge_mlp=merge_mlp)
+        pipe.apply_tome(method="todo") if todo else pipe.apply_tome(ratio=ratio, merge_mlp=merge_mlp)
     if interval is not None:
         pipe.apply_cache(interval=interval)
 
@@ -78,6 +79,9 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--ratio", type=float, default=0.5, help="ToMe's share of image tokens merged")
     parser.add_argument("--merge-mlp", action="store_true", help="merge before the image MLP too")
+    parser.add_argument("--todo", action="store_true",
+                        help="ToDo instead of ToMe: every query stays, the image keys and values are downsampled 2x2 "
+                             "(--ratio and --merge-mlp do not apply)")
     parser.add_argument("--cache", type=int, default=3, metavar="INTERVAL",
                         help="step cache: a full pass every INTERVAL steps (0: no cache runs)")
     parser.add_argument("--seed", type=int, default=0)
@@ -92,6 +96,8 @@ def main(argv=None):
         parser.error(str(error))
     if args.cache < 0:
         parser.error(f"--cache must be 0 (off) or an interval >= 1; got {args.cache}")
+    if args.todo and args.merge_mlp:
+        parser.error("--merge-mlp merges before ToMe's image MLP; ToDo (--todo) keeps every token: choose one")
 
     if args.model:
         try:
@@ -109,7 +115,7 @@ def main(argv=None):
     call = dict(height=args.size, width=args.size)
     saved, baseline = [], None
     for label, ratio, interval in runs:
-        configure(pipe, ratio, args.merge_mlp, interval)
+        configure(pipe, ratio, args.merge_mlp, interval, args.todo)
         # warm-up: a first call builds kernels, tables and caches that the timed one should not pay for
         pipe(args.prompt, num_inference_steps=1, **call)
         ppdiffusers_tome.reset_tome(pipe)  # (ToMe's counters from here: the timed call's)
@@ -124,7 +130,7 @@ def main(argv=None):
         saved.append(path)
         logger.info("%-10s %6.2f s  %.2fx  -> %s", label, seconds, baseline / seconds, path)
         if ratio is not None:
-            logger.info("  ToMe: %s", ppdiffusers_tome.tome_stats(pipe)["transformer"])
+            logger.info("  %s: %s", "ToDo" if args.todo else "ToMe", ppdiffusers_tome.tome_stats(pipe)["transformer"])
         if interval is not None:
             after = ppdiffusers_tome.cache_status(pipe)["transformer"]
             logger.info("  cache: %d full and %d cached transformer calls", after["full_calls"] - before["full_calls"],

@@ -177,3 +177,17 @@ def test_sd3_example_refuses_a_folder_that_is_not_a_pipeline(tmp_path, capsys):
         example["main"](["--model", str(tmp_path), "--output", str(tmp_path / "out")])
     assert done.value.code == 2 and "model_index.json" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_sd3_example_runs_todo_in_place_of_tome_and_refuses_it_with_merge_mlp(tmp_path, caplog, capsys):
+    example = runpy.run_path(os.path.join(EXAMPLES, "sd3.py"), run_name="sd3_example")
+    with caplog.at_level("INFO"):
+        saved = example["main"](["--todo", "--size", "32", "--steps", "2", "--cache", "0",
+                                 "--output", str(tmp_path / "out")])
+    assert [os.path.basename(p) for p in saved] == ["vanilla.png", "tome.png"]
+    assert "ToDo: {" in caplog.text and "'merges': 6" in caplog.text  # 3 joint blocks x 2 steps
+    assert np.abs(pixels(saved[0]) - pixels(saved[1])).max() > 0  # ToDo changed the image
+    with pytest.raises(SystemExit) as done:
+        example["main"](["--todo", "--merge-mlp", "--output", str(tmp_path / "refused")])
+    assert done.value.code == 2 and "--merge-mlp" in capsys.readouterr().err
+    assert not (tmp_path / "refused").exists()
