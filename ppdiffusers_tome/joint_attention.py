@@ -25,8 +25,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, TypeVar
 
 import paddle
 from ppdiffusers.models.attention_processor import Attention, JointAttnProcessor2_5
-from ppdiffusers.models.simplified_sd3 import SimplifiedSD3
-from ppdiffusers.models.transformer_sd3 import SD3Transformer2DModel
+
+from .targets import is_fused_layer
 
 __all__ = ["JointMathAttnProcessor", "attention_core", "downsampled_joint_attention", "joint_attention",
            "joint_attention_layers", "math_attention", "remove_math_attention", "stock_attention", "use_math_attention"]
@@ -236,8 +236,7 @@ def _check_not_fused(obj: Any) -> None:
     ``SimplifiedSD3`` that calls the GPU attention function itself."""
     for prefix, model in _layers_of(obj):
         for name, layer in model.named_sublayers(include_self=True):
-            if isinstance(layer, SimplifiedSD3) or (isinstance(layer, SD3Transformer2DModel)
-                                                    and getattr(layer, "inference_optimize", False)):
+            if is_fused_layer(layer):
                 where = ".".join(part for part in (prefix, name) if part) or type(layer).__name__
                 raise ValueError(
                     f"{where} was built with INFERENCE_OPTIMIZE=True: ppdiffusers replaced its transformer blocks by "

@@ -14,8 +14,8 @@ import paddle
 
 from .config import is_int
 
-__all__ = ["SKIPPED_COMPONENTS", "Targets", "fused_sd3_reason", "is_fused_sd3", "is_multi_controlnet",
-           "pipeline_candidates", "resolve"]
+__all__ = ["SKIPPED_COMPONENTS", "Targets", "fused_sd3_reason", "is_fused_layer", "is_fused_sd3",
+           "is_multi_controlnet", "pipeline_candidates", "resolve"]
 
 # components of a pipeline that no technique acts on, whatever they contain
 SKIPPED_COMPONENTS = ("vae", "vqvae", "text_encoder", "tokenizer", "safety_checker", "feature_extractor",
@@ -28,14 +28,19 @@ def is_multi_controlnet(obj: Any) -> bool:
     return type(obj).__name__ == "MultiControlNetModel" and isinstance(getattr(obj, "nets", None), paddle.nn.LayerList)
 
 
+def is_fused_layer(layer: Any) -> bool:
+    """Whether ``layer`` is ppdiffusers' fused ``SimplifiedSD3`` or an ``SD3Transformer2DModel`` built with
+    ``INFERENCE_OPTIMIZE=True`` (which holds one in place of its ``JointTransformerBlock``s); by class name, so that
+    nothing here imports ppdiffusers."""
+    names = {cls.__name__ for cls in type(layer).__mro__}
+    return "SimplifiedSD3" in names or ("SD3Transformer2DModel" in names
+                                        and bool(getattr(layer, "inference_optimize", False)))
+
+
 def is_fused_sd3(model: Any) -> bool:
-    """Whether ``model`` is an SD3 transformer that ppdiffusers built with ``INFERENCE_OPTIMIZE=True``: its
-    ``JointTransformerBlock``s are replaced by one fused ``SimplifiedSD3`` layer."""
-    if not isinstance(model, paddle.nn.Layer):
-        return False
-    if type(model).__name__ == "SD3Transformer2DModel" and getattr(model, "inference_optimize", False):
-        return True
-    return any(type(layer).__name__ == "SimplifiedSD3" for _, layer in model.named_sublayers(include_self=True))
+    """Whether ``model`` is, or holds, a fused SD3 transformer (:func:`is_fused_layer`)."""
+    return isinstance(model, paddle.nn.Layer) and any(
+        is_fused_layer(layer) for _, layer in model.named_sublayers(include_self=True))
 
 
 def fused_sd3_reason(name: str, technique: str) -> str:
