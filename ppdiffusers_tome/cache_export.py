@@ -30,6 +30,7 @@ from typing import Any, Callable, Optional, Tuple
 import paddle
 from paddle.static import InputSpec
 
+from .cache_layout import TransformerLayout
 from .step_cache import CacheConfig, get_cache
 
 __all__ = ["CachedStep", "FullStep", "ScheduledSteps", "StepPrograms"]
@@ -48,7 +49,7 @@ class _Step(paddle.nn.Layer):
                              "step programs")
         if getattr(unet, "up_blocks", None) is None:
             what = ("is a transformer-only model, whose step cache runs eagerly only: export it without the cache "
-                    "(remove_cache; ToMe alone exports)" if getattr(unet, "transformer_blocks", None) is not None
+                    "(remove_cache; ToMe alone exports)" if isinstance(cache.layout, TransformerLayout)
                     else "has no up blocks")
             raise ValueError(f"step programs are built for a UNet (a cached step reads the output of a deep part of "
                              f"its up blocks); {type(unet).__name__} {what}")

@@ -156,14 +156,14 @@ def _most_layers(model: paddle.nn.Layer) -> int:
     return min(len(up[-1].resnets) - 1, first + 1) if up is not None else first + 1
 
 
-def _check_unet(model: paddle.nn.Layer, depth: int, layers: Optional[int], name: str) -> None:
+def _check_unet(model: paddle.nn.Layer, depth: int, layers: Optional[int], most: int, name: str) -> None:
+    """Refuse a ``depth`` or ``layers`` that ``model`` cannot take (``most``: its :func:`_most_layers`)."""
     down, up = model.down_blocks, getattr(model, "up_blocks", None)
     if not depth < len(down) or (up is not None and len(up) != len(down)):
         raise ValueError(f"depth must be in [1, {len(down) - 1}] for {name} ({len(down)} down blocks: at least one "
                          f"level must stay deep); got {depth}")
     if layers is None:
         return
-    most = _most_layers(model)
     if most == 0:
         raise ValueError(f"layers={layers} cuts the first level into layers, and {name}'s first level is not a stack "
                          "of resnet + attention layers (a skip block, or one layer only): use layers=None")
@@ -261,10 +261,11 @@ def layout_of(model: Any, config: Any, name: Optional[str] = None) -> Optional[L
     name = name or type(model).__name__
     if _is_unet(model):
         depth, layers = (1, None) if config is None else (config.depth, config.layers)
-        if layers == AUTO:
-            layers = 1 if depth == 1 and _most_layers(model) >= 1 else None
         if config is not None:
-            _check_unet(model, depth, layers, name)
+            most = _most_layers(model) if layers is not None else 0  # (unread with layers=None)
+            if layers == AUTO:
+                layers = 1 if depth == 1 and most >= 1 else None
+            _check_unet(model, depth, layers, most, name)
         return UNetLayout(model, depth, layers)
     if _is_transformer(model):
         count = len(model.transformer_blocks)
