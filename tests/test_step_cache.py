@@ -2,7 +2,6 @@
 between (checked against a reference built from plain forward hooks), every pipeline kind, ControlNets, threads,
 interrupted calls, composition with ToMe, bad options and static graphs."""
 
-import threading
 
 import numpy as np
 import paddle
@@ -15,6 +14,7 @@ from ppdiffusers_tome.step_cache import CacheConfig, StepCacheError, deep_blocks
 from ppdiffusers_tome.testing import tiny_sd_pipeline, tiny_unet
 from tests.conftest import run
 from tests.test_pipelines import KINDS, build
+from tests.thread_runs import alone_and_together
 from tests.unet_calls import step_sample
 
 STEPS = 6
@@ -135,24 +135,11 @@ def test_threads_keep_separate_histories_on_one_unet():
                  paddle.to_tensor(rng.standard_normal((2, 5, 32)).astype("float32"))) for t in (900, 700, 500, 300)]
                for _ in range(2)]
 
-    def generate(stream, out, barrier=None):
-        ppdiffusers_tome.reset_cache(unet)
-        for args in stream:
-            if barrier is not None:
-                barrier.wait()
-            with paddle.no_grad():
-                out.append(unet(*args).sample.numpy())
+    def call(args):
+        with paddle.no_grad():
+            return unet(*args).sample.numpy()
 
-    alone = [[], []]
-    for stream, out in zip(streams, alone):
-        generate(stream, out)
-    together = [[], []]
-    barrier = threading.Barrier(2)
-    threads = [threading.Thread(target=generate, args=(s, o, barrier)) for s, o in zip(streams, together)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    alone, together = alone_and_together(call, streams, reset=lambda: ppdiffusers_tome.reset_cache(unet))
     for a, b in zip(alone, together):
         for x, y in zip(a, b):
             np.testing.assert_array_equal(x, y)

@@ -5,7 +5,6 @@ done (a fused ``INFERENCE_OPTIMIZE`` SD3, a static graph of a cached transformer
 
 import copy
 import pickle
-import threading
 
 import numpy as np
 import paddle
@@ -20,6 +19,7 @@ from ppdiffusers_tome.testing import tiny_sd3_pipeline, tiny_sd3_transformer
 from tests.conftest import generator
 from tests.test_sd3_model import NoisePredictor
 from tests.test_sd3_tome import forward, transformer_inputs
+from tests.thread_runs import alone_and_together
 from tests.unet_calls import hook_shape
 
 STEPS = 6
@@ -75,30 +75,9 @@ def test_threads_keep_separate_histories_on_one_cached_transformer():
     streams = [[transformer_inputs(batch=2, seed=10 * k + i, timestep=t) for i, t in enumerate((900.0, 700.0, 500.0))]
                for k in range(2)]
 
-    def generate(stream, out, barrier=None):
-        ppdiffusers_tome.reset_cache(model)
-        for inputs in stream:
-            if barrier is not None:
-                barrier.wait()
-            out.append(forward(model, inputs))
-
-    alone, together, errors = [[], []], [[], []], []
-    for stream, out in zip(streams, alone):
-        generate(stream, out)
-    barrier = threading.Barrier(2)
-
-    def work(stream, out):
-        try:
-            generate(stream, out, barrier)
-        except Exception as error:  # pragma: no cover - reported below
-            errors.append(error)
-
-    threads = [threading.Thread(target=work, args=(s, o)) for s, o in zip(streams, together)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert not errors and [len(out) for out in together] == [3, 3]
+    alone, together = alone_and_together(lambda inputs: forward(model, inputs), streams,
+                                         reset=lambda: ppdiffusers_tome.reset_cache(model))
+    assert [len(out) for out in alone] == [3, 3]
     for a, b in zip(alone, together):
         for x, y in zip(a, b):
             np.testing.assert_array_equal(x, y)
