@@ -9,9 +9,10 @@ seconds and the range of the per-round speed-ups, the relative L2 distance of th
 seed (mean and spread), the FLOP ceiling (image q/k/v/o and MLP, text q/k/v/o and MLP, joint attention; AdaLN
 and embeddings left out) and the memory a forward adds at its peak (``PeakMemory`` around the last untimed forward:
 the resident set on a CPU, sampled every 10 ms; Paddle's allocated bytes on a GPU). With ``--loop-steps N`` it also
-times a whole N-step denoising loop per configuration (:data:`LOOP_CONFIGS`) over ``--seeds`` seeds (``--loop-only``: no forward table). With ``--ops-per-block`` it times
-nothing: it counts the eager operators of one ``JointTransformerBlock`` call (:func:`block_op_rows`) per
-configuration of :data:`OPS_CONFIGS`, with the GPU kernels forced and with the CPU's. Prints tables and writes JSON:
+times a whole N-step denoising loop per configuration (:data:`LOOP_CONFIGS`) over ``--seeds`` seeds, with the memory
+each loop adds at its peak (``--loop-only``: no forward table). With ``--ops-per-block`` it times nothing: it counts
+the eager operators of one ``JointTransformerBlock`` call (:func:`block_op_rows`) per configuration of
+:data:`OPS_CONFIGS`, with the GPU kernels forced and with the CPU's. Prints tables and writes JSON:
 
     bash run.sh python benchmarks/sd3_forward.py --sizes 512 1024 --layers 4 --output outputs/sd3_forward.json
     bash run.sh python benchmarks/sd3_forward.py --sizes 512 --layers 24 --seeds 2 --loop-steps 20 --loop-only \

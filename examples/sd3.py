@@ -64,8 +64,10 @@ def configure(pipe, ratio, merge_mlp, interval, todo=False):
     place, which has no ratio), the cache every ``interval`` steps (None: off)."""
     pipe.remove_tome()
     pipe.remove_cache()
-    if ratio is not None:
-        pipe.apply_tome(method="todo") if todo else pipe.apply_tome(ratio=ratio, merge_mlp=merge_mlp)
+    if ratio is not None and todo:
+        pipe.apply_tome(method="todo")
+    elif ratio is not None:
+        pipe.apply_tome(ratio=ratio, merge_mlp=merge_mlp)
     if interval is not None:
         pipe.apply_cache(interval=interval)
 
