@@ -2,7 +2,7 @@
 # Set up a virtual environment with the pinned CPU set (one pip command), then run a command inside it, so that
 # every command works in a fresh shell without activating anything:
 #   bash run.sh demo [demo options]        # the main job: vanilla vs ToMe on the embedded model
-#   bash run.sh test [pytest options]      # the full test suite (tests/ and the doctests of the package and research/)
+#   bash run.sh test [pytest options]      # ruff check, then the full test suite (tests/ and the doctests of the package and research/)
 #   bash run.sh test [options] PATH...     # only those tests, e.g. bash run.sh test -x -q tests/test_api.py
 #   bash run.sh bench [bench options]      # python -m ppdiffusers_tome bench ...
 #   bash run.sh python [args]              # the environment's python, e.g. bash run.sh python examples/controlnet.py
@@ -80,6 +80,11 @@ case "$what" in
     done
     distribute=()
     if [ "${#selection[@]}" -gt 1 ] && [ "$workers" -gt 1 ]; then distribute=(-n "$workers" --dist loadfile); fi
+    if [ "${#selection[@]}" -gt 1 ]; then
+      # the whole suite starts with the linter (ruff.toml: pyflakes and import order), a second or two
+      echo "run.sh: ruff check (pyflakes, import order)" >&2
+      "$venv/bin/ruff" check --quiet . || { echo "run.sh: ruff check failed; 'bash run.sh python -m ruff check --fix .' mends most of it" >&2; exit 1; }
+    fi
     exec "$venv/bin/python" -m pytest "${selection[@]}" "${distribute[@]}" "$@" ;;
   python) exec "$venv/bin/python" "$@" ;;
 esac

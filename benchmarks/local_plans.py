@@ -35,7 +35,7 @@ import paddle
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import ppdiffusers_tome  # noqa: E402
-import ppdiffusers_tome.merge as merge_module  # noqa: E402
+import ppdiffusers_tome.ops as merge_module  # noqa: E402
 from ppdiffusers_tome.tools.measure import (  # noqa: E402
     count_forward_ops, environment, median, ops_added_per_block, psnr, relative_l2, render_table, set_threads,
 )

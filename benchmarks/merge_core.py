@@ -34,7 +34,7 @@ import paddle
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ppdiffusers_tome.tools.measure import environment, median, set_threads  # noqa: E402
-from ppdiffusers_tome.merge import (  # noqa: E402
+from ppdiffusers_tome.ops import (  # noqa: E402
     LocalMergePlan,
     bipartite_soft_matching_random2d,
     step_key,

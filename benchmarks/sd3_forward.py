@@ -38,9 +38,9 @@ import paddle
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import ppdiffusers_tome  # noqa: E402
-from ppdiffusers_tome.joint_attention import use_math_attention  # noqa: E402
+from ppdiffusers_tome.sd3_attention import use_math_attention  # noqa: E402
 from ppdiffusers_tome.ops.runtime import force_kernels  # noqa: E402
-from ppdiffusers_tome.patch import get_patch  # noqa: E402
+from ppdiffusers_tome.tome.patch import get_patch  # noqa: E402
 from ppdiffusers_tome.tools.measure import PeakMemory, count_ops, relative_l2, set_threads  # noqa: E402
 
 TEXT_TOKENS = 333

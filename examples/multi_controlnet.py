@@ -14,7 +14,7 @@ import paddle
 from PIL import Image
 
 from ppdiffusers_tome.tools.images import side_by_side
-from ppdiffusers_tome.patch import get_patch
+from ppdiffusers_tome.tome.patch import get_patch
 from ppdiffusers_tome.quiet import configure_logging
 from ppdiffusers_tome.presets import DTYPES, check_dtype
 from ppdiffusers_tome.testing import tiny_controlnet_pipeline

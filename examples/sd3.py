@@ -11,7 +11,7 @@ on the steps between, only its first and last blocks, adding what the blocks bet
     python examples/sd3.py --todo                            # ToDo (the image keys and values downsampled) for ToMe
 
 A --model folder without a text_encoder_3 folder is loaded without T5 (SD3 then runs on its two CLIP encoders).
-On a CPU the joint attention runs through ppdiffusers_tome.joint_attention's math processor, as ppdiffusers' own
+On a CPU the joint attention runs through ppdiffusers_tome.sd3_attention's math processor, as ppdiffusers' own
 needs its GPU attention function; the tiny default always does.
 """
 
@@ -23,7 +23,7 @@ import time
 import ppdiffusers_tome  # noqa: F401  (imported first: it keeps the import-time warnings of Paddle quiet)
 import paddle
 
-from ppdiffusers_tome.joint_attention import use_math_attention
+from ppdiffusers_tome.sd3_attention import use_math_attention
 from ppdiffusers_tome.presets import DTYPES, check_dtype
 from ppdiffusers_tome.quiet import configure_logging
 from ppdiffusers_tome.testing import tiny_sd3_pipeline

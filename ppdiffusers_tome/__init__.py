@@ -14,6 +14,10 @@ from typing import Any as _Any, List as _List, Optional as _Optional, Sequence a
 
 __version__ = "0.14.1"
 
+from . import compat as _compat  # 0.14's import paths (ppdiffusers_tome.config, ...), for one more release
+
+_compat.install()
+
 
 def _cli_args(
     argv: _Optional[_Sequence[str]] = None, orig_argv: _Optional[_Sequence[str]] = None
@@ -43,13 +47,13 @@ def _cli_help_only(argv: _Optional[_Sequence[str]] = None, orig_argv: _Optional[
 
 _LAZY = {
     "apply_tome": "api", "install_methods": "api", "remove_tome": "api", "reset_tome": "api", "tome_config": "api",
-    "tome_status": "api", "tome_stats": "api", "uninstall_methods": "api", "ToMeConfig": "config",
+    "tome_status": "api", "tome_stats": "api", "uninstall_methods": "api", "ToMeConfig": "tome.config",
     "DownsamplePlan": "ops.downsample", "MergePlan": "ops.global_plan",
     "bipartite_soft_matching_random2d": "ops.global_plan", "cache_info": "ops.cache", "clear_cache": "ops.cache",
     "clear_table_cache": "ops.cache", "table_cache_info": "ops.cache",
-    "downsample_tokens": "ops.downsample", "apply_cache": "step_cache", "remove_cache": "step_cache",
-    "reset_cache": "step_cache", "cache_status": "step_cache", "CacheConfig": "step_cache",
-    "StepPrograms": "cache_export", "ScheduledSteps": "cache_export",
+    "downsample_tokens": "ops.downsample", "apply_cache": "cache.step_cache", "remove_cache": "cache.step_cache",
+    "reset_cache": "cache.step_cache", "cache_status": "cache.step_cache", "CacheConfig": "cache.step_cache",
+    "StepPrograms": "cache.export", "ScheduledSteps": "cache.export",
 }
 
 
@@ -84,12 +88,12 @@ if not _cli_help_only():
         tome_status,
         uninstall_methods,
     )
-    from .cache_export import ScheduledSteps, StepPrograms
-    from .config import ToMeConfig
+    from .cache.export import ScheduledSteps, StepPrograms
+    from .cache.step_cache import CacheConfig, apply_cache, cache_status, remove_cache, reset_cache
     from .ops.cache import cache_info, clear_cache, clear_table_cache, table_cache_info
     from .ops.downsample import DownsamplePlan, downsample_tokens
     from .ops.global_plan import MergePlan, bipartite_soft_matching_random2d
-    from .step_cache import CacheConfig, apply_cache, cache_status, remove_cache, reset_cache
+    from .tome.config import ToMeConfig
 
     _quiet_import.__exit__(None, None, None)
 

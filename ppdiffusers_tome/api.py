@@ -13,12 +13,12 @@ from typing import Any, Dict, List, Optional, Tuple
 import paddle
 from ppdiffusers import DiffusionPipeline, ModelMixin
 
-from .calls import refuse_if_running
-from .config import ToMeConfig
-from .patch import PATCH_LOCK, ModelPatch, find_blocks, get_patch
-from .registry import original_class, set_original_class
-from .step_cache import apply_cache, get_cache, remove_cache
-from .targets import fused_sd3_reason, is_fused_sd3, is_multi_controlnet, pipeline_candidates, resolve
+from .cache.step_cache import apply_cache, get_cache, remove_cache
+from .core.calls import refuse_if_running
+from .core.registry import original_class, set_original_class
+from .core.targets import fused_sd3_reason, is_fused_sd3, is_multi_controlnet, pipeline_candidates, resolve
+from .tome.config import ToMeConfig
+from .tome.patch import PATCH_LOCK, ModelPatch, find_blocks, get_patch
 
 logger = logging.getLogger(__name__)
 
@@ -398,7 +398,7 @@ def tome_status(obj: Any) -> Dict[str, Dict[str, Any]]:
       {"action", "kernels", "batch", "tokens", "work", "min_work", "why"}}``; ``action`` is ``"merge"`` (the
       settings' plan), ``"pool"`` (K/V pooling) or ``"skip"``, and ``why`` says it in one line with the numbers;
     * ``"cache"``: the step cache on the model (:func:`ppdiffusers_tome.apply_cache`), as
-      :func:`~ppdiffusers_tome.step_cache.cache_status` gives it, or ``None``.
+      :func:`~ppdiffusers_tome.cache.step_cache.cache_status` gives it, or ``None``.
 
     Example:
         >>> import ppdiffusers_tome

@@ -11,18 +11,16 @@ import contextlib
 from typing import Iterator
 
 from .ops.runtime import force_kernels
+from .tools.pipelines import tiny_controlnet_pipeline, tiny_sd_pipeline, tiny_sdxl_pipeline
 from .tools.tiny import (
     TEXT_HIDDEN,
     make_scheduler,
     random_controlnet,
     tiny_controlnet,
-    tiny_controlnet_pipeline,
     tiny_dit_pipeline,
     tiny_dit_transformer,
     tiny_sd3_pipeline,
     tiny_sd3_transformer,
-    tiny_sd_pipeline,
-    tiny_sdxl_pipeline,
     tiny_sdxl_unet,
     tiny_text_encoder,
     tiny_tokenizer,

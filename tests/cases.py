@@ -3,7 +3,7 @@
 
 import numpy as np
 
-from ppdiffusers_tome.merge import step_key, window_partition_table, window_sides
+from ppdiffusers_tome.ops import step_key, window_partition_table, window_sides
 from tests.numpy_reference import min_margin, reference_local
 
 F32_TOL = dict(rtol=1e-5, atol=1e-5)

@@ -11,9 +11,9 @@ import pytest
 
 import ppdiffusers_tome
 from ppdiffusers_tome import api
-from ppdiffusers_tome.patch import ModelPatch, find_blocks, get_patch
-from ppdiffusers_tome.registry import hooks_of, original_class
+from ppdiffusers_tome.core.registry import hooks_of, original_class
 from ppdiffusers_tome.testing import tiny_controlnet_pipeline, tiny_sd_pipeline, tiny_unet
+from ppdiffusers_tome.tome.patch import ModelPatch, find_blocks, get_patch
 from tests.conftest import run
 from tests.unet_calls import hook_counts, unet_inputs, unet_output
 
@@ -402,7 +402,7 @@ def test_a_rollback_is_not_stopped_by_a_forward_that_began_meanwhile(monkeypatch
 
 
 def test_warnings_point_past_this_package_only():
-    assert api._ours("ppdiffusers_tome") and api._ours("ppdiffusers_tome.patch")
+    assert api._ours("ppdiffusers_tome") and api._ours("ppdiffusers_tome.tome.patch")
     assert not api._ours("ppdiffusers_tome_demo") and not api._ours("__main__")
 
 
@@ -473,7 +473,7 @@ def check_nothing_stays_changed(last):
     ToMe with recompute_every and the step cache on a pipeline, then both removed, ``last`` last."""
     from ppdiffusers import DiffusionPipeline
 
-    from ppdiffusers_tome import generation
+    from ppdiffusers_tome.core import generation
 
     classes = _classes_of_ppdiffusers()
     before = {cls: dict(cls.__dict__) for cls in classes}

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from ppdiffusers_tome.api import apply_tome
-from ppdiffusers_tome.config import ToMeConfig
+from ppdiffusers_tome.tome.config import ToMeConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 READMES = ("README.md", "README_cn.md")

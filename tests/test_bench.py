@@ -10,8 +10,8 @@ import pytest
 from PIL import Image
 
 import ppdiffusers_tome
-from ppdiffusers_tome.patch import get_patch
 from ppdiffusers_tome.presets import preset_pipeline
+from ppdiffusers_tome.tome.patch import get_patch
 from ppdiffusers_tome.tools import bench
 from ppdiffusers_tome.tools.bench import runner, timesplit
 from ppdiffusers_tome.tools.cli import main

@@ -8,7 +8,6 @@ import pytest
 
 from tests.benchmark_scripts import load_benchmark
 
-
 CONFIGS = ["ToMe 0.5", "ToDo", "built-in 0.5", "ToMe 0.5 + cache 3"]  # merging, pooling, the peer, the step cache
 
 

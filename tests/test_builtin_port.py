@@ -6,8 +6,8 @@ import paddle
 import pytest
 
 import ppdiffusers_tome
-from ppdiffusers_tome.patch import ModelPatch, get_patch
 from ppdiffusers_tome.testing import tiny_unet
+from ppdiffusers_tome.tome.patch import ModelPatch, get_patch
 
 # items 1, 5, 6, 7, 9: threads, a retry after a fault, early exceptions, non-finite timesteps ----------------------
 from tests.unet_calls import hook_counts, hook_shape, hook_tables, unet_output

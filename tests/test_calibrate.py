@@ -8,8 +8,8 @@ import paddle
 import pytest
 
 import ppdiffusers_tome
-from ppdiffusers_tome.policy import POOL_MIN_WORK
 from ppdiffusers_tome.testing import tiny_sd_pipeline, tiny_sdxl_pipeline
+from ppdiffusers_tome.tome.policy import POOL_MIN_WORK
 from ppdiffusers_tome.tools import presets
 from ppdiffusers_tome.tools.bench.calibrate import CANDIDATES, as_dict, break_even, calibrate, format_calibration
 from ppdiffusers_tome.tools.bench.commands import denoiser_forward, finest_tokens

@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from ppdiffusers_tome.config import ToMeConfig
+from ppdiffusers_tome.tome.config import ToMeConfig
 
 
 def test_defaults_are_tomesds_except_the_automatic_level():
@@ -89,7 +89,7 @@ def test_recompute_every_accepts_a_period_or_sorted_unique_steps():
 
 # huge strides, and values of the wrong kind (arrays, tensors, numpy scalars, ...)
 def test_strides_are_bounded_with_a_message_naming_the_argument_and_range():
-    from ppdiffusers_tome.config import MAX_STRIDE
+    from ppdiffusers_tome.tome.config import MAX_STRIDE
 
     assert MAX_STRIDE == 64
     config = ToMeConfig(sx=MAX_STRIDE, sy=MAX_STRIDE, ratio=0.9)  # the largest cell is allowed (and a high ratio)

@@ -8,7 +8,7 @@ import paddle
 import pytest
 
 import ppdiffusers_tome
-from ppdiffusers_tome.merge import GroupMergePlan, bipartite_soft_matching_random2d, grid_partition
+from ppdiffusers_tome.ops import GroupMergePlan, bipartite_soft_matching_random2d, grid_partition
 from ppdiffusers_tome.testing import tiny_unet
 from ppdiffusers_tome.tools.measure import count_forward_ops, count_ops, ops_added_per_block
 from tests.cases import F32_TOL, GLOBAL_CASES, partition_of, tie_free_metric

@@ -5,12 +5,11 @@ import paddle
 import pytest
 
 import ppdiffusers_tome
-
-import ppdiffusers_tome.merge as merge_module
-from ppdiffusers_tome.merge import (
+import ppdiffusers_tome.ops as merge_module
+from ppdiffusers_tome.ops import (
     bipartite_soft_matching_random2d,
+    cache as cache_module,
 )
-from ppdiffusers_tome.ops import cache as cache_module
 
 
 # the device cache: threads, a bound in bytes, clearing ---------------------------------------------------------------

@@ -4,7 +4,7 @@ import numpy as np
 import paddle
 import pytest
 
-from ppdiffusers_tome.merge import (
+from ppdiffusers_tome.ops import (
     DownsamplePlan,
     downsample_tokens,
 )

@@ -12,20 +12,19 @@ import paddle
 import pytest
 
 import ppdiffusers_tome
-from ppdiffusers_tome.patch import (
-    find_blocks,
-    get_patch,
-)
 from ppdiffusers_tome.testing import (
     tiny_sdxl_unet,  # noqa: E402
     tiny_unet,
+)
+from ppdiffusers_tome.tome.patch import (
+    find_blocks,
+    get_patch,
 )
 from tests.unet_calls import (
     call_held_inside_forward,
     forward,
     hook_tables,
     sdxl_call,
-    step_sample,
     unet_inputs,
     unet_output,
 )

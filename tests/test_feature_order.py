@@ -6,7 +6,7 @@ import numpy as np
 import paddle
 import pytest
 
-from ppdiffusers_tome.merge import LocalMergePlan, feature_partition_table, step_key, window_partition_table
+from ppdiffusers_tome.ops import LocalMergePlan, feature_partition_table, step_key, window_partition_table
 from ppdiffusers_tome.tools.measure import count_ops
 from tests.cases import LOCAL_CASES, case_partition, tie_free_local
 from tests.numpy_reference import (

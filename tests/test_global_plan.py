@@ -8,8 +8,8 @@ import numpy as np
 import paddle
 import pytest
 
-import ppdiffusers_tome.merge as merge_module
-from ppdiffusers_tome.merge import (
+import ppdiffusers_tome.ops as merge_module
+from ppdiffusers_tome.ops import (
     MergePlan,
     bipartite_soft_matching_random2d,
     compute_dtype,

@@ -13,10 +13,10 @@ import paddle
 import pytest
 
 import ppdiffusers_tome
-import ppdiffusers_tome.merge as merge_module
-from ppdiffusers_tome.patch import find_blocks
+import ppdiffusers_tome.ops as merge_module
 from ppdiffusers_tome.presets import preset_pipeline
 from ppdiffusers_tome.testing import tiny_unet
+from ppdiffusers_tome.tome.patch import find_blocks
 from ppdiffusers_tome.tools.measure import TransferCounter, count_forward_ops, count_ops, ops_added_per_block
 from tests.half_on_cpu import half_kernels
 

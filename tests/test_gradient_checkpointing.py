@@ -8,8 +8,8 @@ import paddle
 import pytest
 
 import ppdiffusers_tome
-from ppdiffusers_tome.patch import get_patch
 from ppdiffusers_tome.testing import tiny_unet
+from ppdiffusers_tome.tome.patch import get_patch
 from tests.unet_calls import forward, unet_inputs
 
 
@@ -131,7 +131,7 @@ def test_kept_plans_go_with_their_graphs():
 
 @pytest.mark.parametrize("flag", ["FLAG_RECOMPUTE_USE_REENTRANT", "FLAG_USE_OLD_RECOMPUTE"])
 def test_reentrant_recompute_is_refused_before_any_work_and_autograd_stays_on(flag, monkeypatch):
-    from ppdiffusers_tome.checkpoint import ReentrantRecomputeError
+    from ppdiffusers_tome.tome.checkpoint import ReentrantRecomputeError
 
     monkeypatch.setenv(flag, "True")
     unet = tiny_unet()

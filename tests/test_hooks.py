@@ -13,14 +13,14 @@ import paddle
 import pytest
 
 import ppdiffusers_tome
-from ppdiffusers_tome import registry
-from ppdiffusers_tome.calls import CALLS, model_calls, refuse_if_running
-from ppdiffusers_tome.hooks import BlockHook, SublayerHook
-from ppdiffusers_tome.merge import DownsamplePlan, bipartite_soft_matching_random2d
-from ppdiffusers_tome.patch import find_blocks, get_patch
-from ppdiffusers_tome.registry import Hook, add_hook, hooks_of, original_class, remove_hook, set_original_class
-from ppdiffusers_tome.state import Counters
+from ppdiffusers_tome.core import registry
+from ppdiffusers_tome.core.calls import CALLS, model_calls, refuse_if_running
+from ppdiffusers_tome.core.registry import Hook, add_hook, hooks_of, original_class, remove_hook, set_original_class
+from ppdiffusers_tome.ops import DownsamplePlan, bipartite_soft_matching_random2d
 from ppdiffusers_tome.testing import tiny_unet
+from ppdiffusers_tome.tome.hooks import BlockHook, SublayerHook
+from ppdiffusers_tome.tome.patch import find_blocks, get_patch
+from ppdiffusers_tome.tome.state import Counters
 from tests.unet_calls import unet_inputs
 
 

@@ -14,32 +14,43 @@ import numpy as np
 import paddle
 import pytest
 
-from ppdiffusers_tome.config import ToMeConfig
+from ppdiffusers_tome.tome.config import ToMeConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "ppdiffusers_tome"
 # the doors to the tools, which the library itself never uses: entry points and test helpers
 DOORS = {"__main__.py", "presets.py", "testing.py"}
 # modules whose code runs inside a patched forward, and so inside a traced one (paddle.jit.to_static): the registry's
-# hooked forward and the hooks of every technique (registry.py, calls.py and its step clock in generation.py,
-# hooks.py, step_cache.py, cache_layout.py), what a ToMe block call runs (patch.py: begin_call, plan_block, end_call;
-# decision.py, policy.py, planner.py, state.py, checkpoint.py), the step programs (cache_export.py), SD3's attention
-# processor for the CPU (joint_attention.py) and the merge core
+# hooked forward and the hooks of every technique (core/registry.py, core/calls.py and its step clock in
+# core/generation.py, tome/hooks.py, cache/step_cache.py, cache/layout.py), what a ToMe block call runs
+# (tome/patch.py: begin_call, plan_block, end_call; tome/decision.py, tome/policy.py, tome/planner.py, tome/state.py,
+# tome/checkpoint.py), the step programs (cache/export.py), SD3's attention processor for the CPU (sd3_attention.py)
+# and its ToMe/ToDo form (tome/joint_attention.py), and the merge core
 TRACED = sorted(str(p.relative_to(PACKAGE)) for p in (PACKAGE / "ops").glob("*.py")) + [
-    "cache_export.py", "cache_layout.py", "calls.py", "checkpoint.py", "decision.py", "generation.py", "hooks.py",
-    "joint_attention.py", "patch.py", "planner.py", "policy.py", "registry.py", "state.py", "step_cache.py"]
+    "cache/export.py", "cache/layout.py", "cache/step_cache.py", "core/calls.py", "core/generation.py",
+    "core/registry.py", "sd3_attention.py", "tome/checkpoint.py", "tome/decision.py", "tome/hooks.py",
+    "tome/joint_attention.py", "tome/patch.py", "tome/planner.py", "tome/policy.py", "tome/state.py"]
 # functions of the traced modules that only run on the host, never inside a traced forward, with why
 HOST_ONLY = {
-    ("patch.py", "ModelPatch.__init__"),  # at apply_tome
-    ("patch.py", "ModelPatch._add_hooks"),  # at apply_tome
-    ("planner.py", "Planner.__init__"),  # at apply_tome
-    ("policy.py", "pools_by_default"),  # at apply_tome (Policy.__init__)
-    ("cache_export.py", "_Step.__init__"),  # when the step programs are built
-    ("joint_attention.py", "JointMathAttnProcessor.__init__"),  # at use_math_attention
-    ("step_cache.py", "StepCache.status"),  # cache_status / tome_status
-    ("generation.py", "hold"),  # at apply_tome / apply_cache
-    ("generation.py", "release"),  # at remove_tome / remove_cache
+    ("tome/patch.py", "ModelPatch.__init__"),  # at apply_tome
+    ("tome/patch.py", "ModelPatch._add_hooks"),  # at apply_tome
+    ("tome/planner.py", "Planner.__init__"),  # at apply_tome
+    ("tome/policy.py", "pools_by_default"),  # at apply_tome (Policy.__init__)
+    ("cache/export.py", "_Step.__init__"),  # when the step programs are built
+    ("sd3_attention.py", "JointMathAttnProcessor.__init__"),  # at use_math_attention
+    ("cache/step_cache.py", "StepCache.status"),  # cache_status / tome_status
+    ("core/generation.py", "hold"),  # at apply_tome / apply_cache
+    ("core/generation.py", "release"),  # at remove_tome / remove_cache
 }
+# the folders of the library: a shared core, one folder per technique, the merge core; what each may import
+FOLDERS = ("core", "tome", "cache", "ops")
+FORBIDDEN = {  # folder -> the folders of the package it must never import
+    "core": ("tome", "cache", "tools"),
+    "ops": ("core", "tome", "cache", "tools"),
+    "tome": ("cache", "tools"),
+    "cache": ("tome", "tools"),
+}
+MAX_TOP_MODULES = 10
 
 
 def python_files(folder: Path) -> List[Path]:
@@ -100,6 +111,134 @@ def test_the_fence_check_can_fail(tmp_path):
     finally:
         ROOT = saved
     assert "ppdiffusers_tome.tools.measure" in names and "ppdiffusers_tome.ops.cache" in names
+
+
+def module_files(root: Path) -> Dict[str, Path]:
+    """The package's modules under ``root`` (a checkout), by absolute name."""
+    package = root / "ppdiffusers_tome"
+    return {module_name_under(root, p): p for p in python_files(package)}
+
+
+def module_name_under(root: Path, path: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_edges(path: Path, root: Path, modules: Dict[str, Path]) -> Iterator[Tuple[int, str]]:
+    """``(line, module)`` for each of the package's modules that ``path`` imports, at its top or inside a function:
+    ``from .x import a`` is an edge to ``x`` (to ``x.a`` when that is a module), never to the folders above ``x``,
+    whose ``__init__`` Python runs first but which ``path`` does not name."""
+    name = module_name_under(root, path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")
+                base = ".".join(parent[: len(parent) - node.level + 1] + ([node.module] if node.module else []))
+            submodules = [f"{base}.{alias.name}" for alias in node.names if f"{base}.{alias.name}" in modules]
+            targets = submodules if submodules and len(submodules) == len(node.names) else [base] + submodules
+        else:
+            continue
+        for target in targets:
+            if target in modules:
+                yield node.lineno, target
+
+
+def folder_rule_breaks(root: Path) -> List[str]:
+    """Imports that cross a forbidden folder line (:data:`FORBIDDEN`): ``core/`` imports no technique, ``cache/``
+    and ``tome/`` never import each other, ``ops/`` imports none of them, and no library folder imports the tools."""
+    modules = module_files(root)
+    found = []
+    for name, path in sorted(modules.items()):
+        folder = name.split(".")[1] if name.count(".") >= 2 or (name.count(".") == 1 and path.name == "__init__.py") \
+            else None
+        for line, target in import_edges(path, root, modules):
+            target_folder = target.split(".")[1] if target.count(".") >= 1 else None
+            if folder in FORBIDDEN and target_folder in FORBIDDEN[folder]:
+                found.append(f"{path.relative_to(root)}:{line} imports {target}")
+    return found
+
+
+def import_circles(root: Path) -> List[List[str]]:
+    """Every strongly connected group of more than one module in the package's import graph (each one a circle)."""
+    modules = module_files(root)
+    graph = {name: sorted({target for _, target in import_edges(path, root, modules) if target != name})
+             for name, path in modules.items()}
+    index: Dict[str, int] = {}
+    low: Dict[str, int] = {}
+    stack: List[str] = []
+    on_stack = set()
+    groups = []
+
+    def visit(node: str) -> None:  # Tarjan's algorithm
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for successor in graph[node]:
+            if successor not in index:
+                visit(successor)
+                low[node] = min(low[node], low[successor])
+            elif successor in on_stack:
+                low[node] = min(low[node], index[successor])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                group.append(member)
+                if member == node:
+                    break
+            if len(group) > 1:
+                groups.append(sorted(group))
+
+    for name in sorted(graph):
+        if name not in index:
+            visit(name)
+    return groups
+
+
+def test_the_library_has_three_folders_over_the_merge_core_and_few_top_modules():
+    folders = sorted(p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").is_file())
+    assert folders == sorted(FOLDERS + ("tools",)), folders
+    top = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(top) <= MAX_TOP_MODULES, top
+
+
+def test_folders_import_only_what_their_layer_allows():
+    assert not folder_rule_breaks(ROOT), "\n".join(folder_rule_breaks(ROOT))
+
+
+def test_the_package_has_no_import_circle():
+    assert import_circles(ROOT) == []
+
+
+def fake_package(root: Path, files: Dict[str, str]) -> Path:
+    for name, text in files.items():
+        path = root / "ppdiffusers_tome" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    for folder in {p.parent for p in (root / "ppdiffusers_tome").rglob("*.py")}:
+        (folder / "__init__.py").touch()
+    return root
+
+
+def test_the_folder_rule_can_fail(tmp_path):
+    root = fake_package(tmp_path, {"core/registry.py": "from ..tome import config\n", "tome/config.py": "",
+                                   "cache/step_cache.py": "from ..tome.config import x\nfrom ..core import registry\n",
+                                   "tome/hooks.py": "from ..cache.step_cache import y\n"})
+    assert folder_rule_breaks(root) == ["ppdiffusers_tome/cache/step_cache.py:1 imports ppdiffusers_tome.tome.config",
+                                        "ppdiffusers_tome/core/registry.py:1 imports ppdiffusers_tome.tome.config",
+                                        "ppdiffusers_tome/tome/hooks.py:1 imports ppdiffusers_tome.cache.step_cache"]
+
+
+def test_the_circle_check_can_fail(tmp_path):
+    root = fake_package(tmp_path, {"tools/cli.py": "def main():\n    from .bench import commands\n",
+                                   "tools/bench/commands.py": "from ..cli import X\n", "ops/a.py": "from . import b\n",
+                                   "ops/b.py": "import ppdiffusers_tome.ops.runtime\n", "ops/runtime.py": ""})
+    assert import_circles(root) == [["ppdiffusers_tome.tools.bench.commands", "ppdiffusers_tome.tools.cli"]]
 
 
 def is_module(name: str) -> bool:

@@ -8,8 +8,8 @@ import paddle
 import pytest
 
 import ppdiffusers_tome
-from ppdiffusers_tome.patch import get_patch
 from ppdiffusers_tome.testing import tiny_sdxl_unet, tiny_unet
+from ppdiffusers_tome.tome.patch import get_patch
 from tests.unet_calls import forward, sdxl_call, unet_inputs
 
 
@@ -115,7 +115,7 @@ def test_auto_merges_only_at_the_finest_level_of_the_whole_model_when_it_is_only
 
         return hook
 
-    for name, block in ppdiffusers_tome.patch.find_blocks(unet):
+    for name, block in ppdiffusers_tome.tome.patch.find_blocks(unet):
         block.attn1.to_q.register_forward_pre_hook(record(name))  # inside attn1: sees the merged tokens
     unet.apply_tome(ratio=0.5)
     inputs = unet_inputs(unet)  # a 16 x 16 latent: 256 tokens at 1x, 64 at 2x

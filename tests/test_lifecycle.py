@@ -12,9 +12,9 @@ import paddle
 import pytest
 
 import ppdiffusers_tome
-from ppdiffusers_tome.patch import find_blocks, get_patch
+from ppdiffusers_tome.core.registry import KEY, original_class
 from ppdiffusers_tome.testing import tiny_unet
-from ppdiffusers_tome.registry import KEY, original_class
+from ppdiffusers_tome.tome.patch import find_blocks, get_patch
 from tests.unet_calls import hooks_attached, step_sample, unet_inputs, unet_output
 
 
@@ -191,7 +191,9 @@ def test_a_shallow_copy_shares_the_patch_consistently():
     assert ppdiffusers_tome.tome_config(deep).ratio == 0.5 and get_patch(twin) is None
     np.testing.assert_array_equal(unet_output(deep), merged)
 
-    from ppdiffusers_tome.step_cache import get_cache  # the step cache attaches the same way: shared by both names
+    from ppdiffusers_tome.cache.step_cache import (
+        get_cache,  # the step cache attaches the same way: shared by both names
+    )
 
     ppdiffusers_tome.apply_tome(unet, ratio=0.5)
     third = copy.copy(unet)

@@ -8,9 +8,8 @@ import numpy as np
 import paddle
 import pytest
 
-import ppdiffusers_tome.merge as merge_module
-from ppdiffusers_tome.merge import LocalMergePlan, step_key, window_partition_table, window_sides
-from ppdiffusers_tome.ops import feature_order
+import ppdiffusers_tome.ops as merge_module
+from ppdiffusers_tome.ops import LocalMergePlan, step_key, window_partition_table, window_sides
 from ppdiffusers_tome.testing import gpu_kernels
 from ppdiffusers_tome.tools.measure import count_ops
 from tests.cases import LOCAL_CASES, case_partition, tie_free_local

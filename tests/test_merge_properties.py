@@ -3,10 +3,9 @@ stride), strides, ratios from 0 to the maximum, and channel counts."""
 
 import numpy as np
 import paddle
-from hypothesis import HealthCheck, example, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, example, given, settings, strategies as st
 
-from ppdiffusers_tome.merge import bipartite_soft_matching_random2d, max_ratio
+from ppdiffusers_tome.ops import bipartite_soft_matching_random2d, max_ratio
 
 
 @st.composite

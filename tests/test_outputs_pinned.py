@@ -60,7 +60,7 @@ def kernels(kind):
     try:
         from ppdiffusers_tome.testing import gpu_kernels
     except ImportError:  # releases before 0.9.0 had a module-level switch
-        import ppdiffusers_tome.merge as merge_module
+        import ppdiffusers_tome.ops as merge_module
 
         previous, merge_module.DEVICE_OVERRIDE = merge_module.DEVICE_OVERRIDE, kind
         try:

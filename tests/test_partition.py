@@ -7,8 +7,8 @@ import math
 import numpy as np
 import paddle
 
-import ppdiffusers_tome.merge as merge_module
-from ppdiffusers_tome.merge import (
+import ppdiffusers_tome.ops as merge_module
+from ppdiffusers_tome.ops import (
     bipartite_soft_matching_random2d,
     find_downsample,
     grid_partition,

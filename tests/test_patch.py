@@ -6,14 +6,13 @@ import warnings
 import numpy as np
 import paddle
 import pytest
-
 from ppdiffusers.models.attention import BasicTransformerBlock
 
 import ppdiffusers_tome
-from ppdiffusers_tome.config import ToMeConfig
-from ppdiffusers_tome.merge import bipartite_soft_matching_random2d
-from ppdiffusers_tome.patch import ModelPatch, find_blocks, get_patch
+from ppdiffusers_tome.ops import bipartite_soft_matching_random2d
 from ppdiffusers_tome.testing import tiny_unet
+from ppdiffusers_tome.tome.config import ToMeConfig
+from ppdiffusers_tome.tome.patch import ModelPatch, find_blocks, get_patch
 from tests.conftest import run
 from tests.unet_calls import expected_block_output, hook_counts, unet_inputs, unet_output
 
@@ -64,7 +63,7 @@ def test_chunked_feed_forward_is_left_alone():
 
 
 def test_remove_restores_classes_hooks_attributes_and_state_dict():
-    from ppdiffusers_tome.registry import KEY, original_class
+    from ppdiffusers_tome.core.registry import KEY, original_class
 
     unet = tiny_unet()
     reference = unet_output(unet)

@@ -11,8 +11,8 @@ import paddle
 import pytest
 
 import ppdiffusers_tome
-from ppdiffusers_tome.patch import get_patch
 from ppdiffusers_tome.testing import tiny_dit_pipeline, tiny_dit_transformer, tiny_unet
+from ppdiffusers_tome.tome.patch import get_patch
 from tests.unet_calls import hook_shape, unet_output
 
 

@@ -5,7 +5,6 @@ import paddle
 import pytest
 
 import ppdiffusers_tome
-from ppdiffusers_tome.patch import get_patch
 from ppdiffusers_tome.testing import (
     tiny_controlnet_pipeline,
     tiny_dit_pipeline,
@@ -13,6 +12,7 @@ from ppdiffusers_tome.testing import (
     tiny_sd_pipeline,
     tiny_sdxl_pipeline,
 )
+from ppdiffusers_tome.tome.patch import get_patch
 from tests.conftest import generator, run
 
 

@@ -9,10 +9,10 @@ import paddle
 import pytest
 
 import ppdiffusers_tome
-from ppdiffusers_tome.calls import model_calls
-from ppdiffusers_tome.config import ToMeConfig
-from ppdiffusers_tome.patch import ModelPatch, find_blocks, get_patch
+from ppdiffusers_tome.core.calls import model_calls
 from ppdiffusers_tome.testing import tiny_unet
+from ppdiffusers_tome.tome.config import ToMeConfig
+from ppdiffusers_tome.tome.patch import ModelPatch, find_blocks, get_patch
 from tests.conftest import run
 from tests.unet_calls import expected_block_output, forward, plans_seen, unet_inputs
 
@@ -204,7 +204,7 @@ def test_a_ratio_schedule_warns_once_about_timesteps_outside_the_training_range(
 # local matching, plans shared per level, min_tokens -------------------------------------------------------
 @pytest.mark.parametrize("order", ["grid", "feature"])
 def test_match_window_blocks_merge_with_the_local_plan_written_by_hand(order):
-    from ppdiffusers_tome.merge import LocalMergePlan, window_partition_table, window_sides
+    from ppdiffusers_tome.ops import LocalMergePlan, window_partition_table, window_sides
 
     unet = tiny_unet()
     block = find_blocks(unet)[0][1]
@@ -317,8 +317,8 @@ def decision_fields(decision):
 
 
 def test_decide_is_a_pure_function_of_its_inputs():
-    from ppdiffusers_tome.decision import decide, grid_of
-    from ppdiffusers_tome.state import CallRecord
+    from ppdiffusers_tome.tome.decision import decide, grid_of
+    from ppdiffusers_tome.tome.state import CallRecord
 
     unet = tiny_unet()
     patch = ModelPatch.install(unet, ToMeConfig())
@@ -335,7 +335,7 @@ def test_decide_is_a_pure_function_of_its_inputs():
 
 
 def test_every_reason_of_decide_is_reachable():
-    from ppdiffusers_tome.decision import REASONS, Settings, decide, grid_of
+    from ppdiffusers_tome.tome.decision import REASONS, Settings, decide, grid_of
 
     unet = tiny_unet()
 
@@ -361,8 +361,8 @@ def test_every_reason_of_decide_is_reachable():
 
 
 def test_a_blocks_decision_is_memoised_per_key_and_changes_with_the_ratio(monkeypatch):
-    import ppdiffusers_tome.patch as patch_module
-    from ppdiffusers_tome.planner import Planner
+    import ppdiffusers_tome.tome.patch as patch_module
+    from ppdiffusers_tome.tome.planner import Planner
 
     decided, planned = [], []
     real_decide, real_plan = patch_module.decide, Planner.plan
@@ -387,8 +387,8 @@ def test_a_skipped_block_call_reaches_no_plan_code(monkeypatch):
     """On GPU kernels the default policy skips blocks whose attention work is below min_work (at 512 px with one
     image, batch 2 x 4096 tokens, every block): that path runs no code of the planner, and the output is the
     vanilla UNet's. (The UNet runs at a 16 x 16 latent, skipped by the same rule, where the tiny UNet is fast.)"""
-    from ppdiffusers_tome.planner import Planner
     from ppdiffusers_tome.testing import gpu_kernels
+    from ppdiffusers_tome.tome.planner import Planner
 
     unet = tiny_unet()
     inputs = unet_inputs(unet, batch=2)
@@ -415,7 +415,7 @@ def test_a_skipped_block_call_reaches_no_plan_code(monkeypatch):
 def test_the_decision_memo_stays_bounded_under_a_ratio_schedule(monkeypatch):
     """A ratio schedule makes a new memo key at every new timestep (continuous timesteps: at every call): the memo
     starts over at its bound instead of growing for as long as the model is used."""
-    import ppdiffusers_tome.patch as patch_module
+    import ppdiffusers_tome.tome.patch as patch_module
 
     monkeypatch.setattr(patch_module, "MAX_DECISIONS", 2)
     unet = tiny_unet()

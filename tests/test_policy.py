@@ -10,13 +10,18 @@ import paddle
 import pytest
 
 import ppdiffusers_tome
-from ppdiffusers_tome.config import ToMeConfig
-from ppdiffusers_tome.merge import DownsamplePlan, MergePlan, bipartite_soft_matching_random2d, force_kernels
-from ppdiffusers_tome.patch import ModelPatch, find_blocks, get_patch
-from ppdiffusers_tome.policy import (
-    ASSUMED_BATCH, MERGE_MIN_WORK, POOL_MIN_RATIO, POOL_MIN_WORK, Policy, pools_by_default,
-)
+from ppdiffusers_tome.ops import DownsamplePlan, MergePlan, bipartite_soft_matching_random2d, force_kernels
 from ppdiffusers_tome.testing import gpu_kernels, tiny_unet
+from ppdiffusers_tome.tome.config import ToMeConfig
+from ppdiffusers_tome.tome.patch import ModelPatch, find_blocks, get_patch
+from ppdiffusers_tome.tome.policy import (
+    ASSUMED_BATCH,
+    MERGE_MIN_WORK,
+    POOL_MIN_RATIO,
+    POOL_MIN_WORK,
+    Policy,
+    pools_by_default,
+)
 from ppdiffusers_tome.tools.measure import count_forward_ops
 from tests.unet_calls import expected_block_output, unet_inputs
 
@@ -194,10 +199,10 @@ def test_the_first_skip_logs_one_line_naming_the_options_that_force_merging(capl
     unet = tiny_unet()
     ppdiffusers_tome.apply_tome(unet)
     run = forward_of(unet, 2, 16)
-    with gpu_kernels(), caplog.at_level(logging.WARNING, logger="ppdiffusers_tome.policy"):
+    with gpu_kernels(), caplog.at_level(logging.WARNING, logger="ppdiffusers_tome.tome.policy"):
         run()
         run()
-    lines = [record.getMessage() for record in caplog.records if record.name == "ppdiffusers_tome.policy"]
+    lines = [record.getMessage() for record in caplog.records if record.name == "ppdiffusers_tome.tome.policy"]
     assert len(lines) == 1 and "min_work=0" in lines[0] and "policy='tomesd'" in lines[0]
     assert "2 x 256 tokens" in lines[0] and UNET in lines[0]
     assert ppdiffusers_tome.tome_stats(unet)[UNET]["blocks_skipped"] == 6

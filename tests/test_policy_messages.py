@@ -6,8 +6,8 @@ import re
 import paddle
 import pytest
 
-from ppdiffusers_tome.config import ToMeConfig
-from ppdiffusers_tome.policy import Policy
+from ppdiffusers_tome.tome.config import ToMeConfig
+from ppdiffusers_tome.tome.policy import Policy
 
 COMPARISON = re.compile(r"batch \* tokens\*\*2 = ([^\s:]+)(?: \([^)]*\))? (<|>=) min_work = ([^\s:]+)")
 

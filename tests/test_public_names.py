@@ -12,27 +12,26 @@ import ppdiffusers_tome
 import ppdiffusers_tome.presets as presets
 import ppdiffusers_tome.testing as testing
 from ppdiffusers_tome.ops.runtime import device_kind, forced_kernels
-from ppdiffusers_tome.tools import presets as tool_presets
-from ppdiffusers_tome.tools import tiny
+from ppdiffusers_tome.tools import pipelines, presets as tool_presets, tiny
 
 # (module, names) as 0.8.1 exported them: a user's import of any of them keeps working
 NAMES_081 = {
     "ppdiffusers_tome": ["ToMeConfig", "MergePlan", "DownsamplePlan", "downsample_tokens", "apply_tome", "remove_tome",
                          "reset_tome", "tome_config", "tome_status", "tome_stats", "bipartite_soft_matching_random2d",
                          "clear_cache", "cache_info", "install_methods", "uninstall_methods", "__version__"],
-    "ppdiffusers_tome.merge": ["DOWNSAMPLE_MODES", "cache_info", "clear_cache", "DownsamplePlan", "LocalMergePlan",
+    "ppdiffusers_tome.ops": ["DOWNSAMPLE_MODES", "cache_info", "clear_cache", "DownsamplePlan", "LocalMergePlan",
                                "MergePlan", "bipartite_soft_matching_random2d", "compute_dtype", "converting",
                                "device_kind", "downsample_tokens", "find_downsample", "grid_partition", "max_ratio",
                                "partition_table", "step_key", "tracing", "window_partition_table", "window_sides"],
-    "ppdiffusers_tome.config": ["ToMeConfig", "check_ratio", "ALLOWED_MAX_DOWNSAMPLE", "METHODS", "MAX_STRIDE",
+    "ppdiffusers_tome.tome.config": ["ToMeConfig", "check_ratio", "ALLOWED_MAX_DOWNSAMPLE", "METHODS", "MAX_STRIDE",
                                 "MAX_WINDOW", "MATCH_ORDERS", "SHARE_PLAN", "RatioSpec", "ratio_at", "tokens_to_merge"],
     "ppdiffusers_tome.api": ["apply_tome", "remove_builtin_tome", "remove_tome", "reset_tome", "tome_config",
                              "tome_models", "tome_status", "tome_stats", "install_methods", "uninstall_methods"],
-    "ppdiffusers_tome.patch": ["ModelPatch", "ToMeState", "ToMeStaticGraphError", "PATCH_LOCK", "find_blocks",
+    "ppdiffusers_tome.tome.patch": ["ModelPatch", "ToMeState", "ToMeStaticGraphError", "PATCH_LOCK", "find_blocks",
                                "get_patch"],
     # (0.8.1's StepHistory, the step history of recompute_every inside ToMeState, is gone: plans kept across steps
     # are PlanCache's, steps come from the step clock of generation.py; ToMeState names what ModelPatch.state is)
-    "ppdiffusers_tome.state": ["CallRecord", "ToMeState", "ToMeStaticGraphError", "timestep_values"],
+    "ppdiffusers_tome.tome.state": ["CallRecord", "ToMeState", "ToMeStaticGraphError", "timestep_values"],
     "ppdiffusers_tome.testing": ["TEXT_HIDDEN", "make_scheduler", "random_controlnet", "tiny_controlnet",
                                  "tiny_controlnet_pipeline", "tiny_dit_pipeline", "tiny_dit_transformer",
                                  "tiny_sd_pipeline", "tiny_sdxl_pipeline", "tiny_sdxl_unet", "tiny_text_encoder",
@@ -47,16 +46,16 @@ NAMES_081 = {
 NAMES_011 = {
     "ppdiffusers_tome": ["CacheConfig", "apply_cache", "remove_cache", "reset_cache", "cache_status", "StepPrograms",
                          "ScheduledSteps"],
-    "ppdiffusers_tome.step_cache": ["CacheConfig", "StepCache", "StepCacheError", "apply_cache", "cache_status",
+    "ppdiffusers_tome.cache.step_cache": ["CacheConfig", "StepCache", "StepCacheError", "apply_cache", "cache_status",
                                     "get_cache", "remove_cache", "reset_cache"],
-    "ppdiffusers_tome.cache_export": ["CachedStep", "FullStep", "ScheduledSteps", "StepPrograms"],
-    "ppdiffusers_tome.checkpoint": ["RecomputePlans", "ReentrantRecomputeError", "reentrant_recompute"],
-    "ppdiffusers_tome.config": ["POLICIES"],
-    "ppdiffusers_tome.hooks": ["TENSOR_TYPES"],
-    "ppdiffusers_tome.planner": ["Planner", "finest_block_level"],
-    "ppdiffusers_tome.policy": ["ASSUMED_BATCH", "MERGE_MIN_WORK", "POOL_MIN_RATIO", "POOL_MIN_WORK", "Decision",
+    "ppdiffusers_tome.cache.export": ["CachedStep", "FullStep", "ScheduledSteps", "StepPrograms"],
+    "ppdiffusers_tome.tome.checkpoint": ["RecomputePlans", "ReentrantRecomputeError", "reentrant_recompute"],
+    "ppdiffusers_tome.tome.config": ["POLICIES"],
+    "ppdiffusers_tome.tome.hooks": ["TENSOR_TYPES"],
+    "ppdiffusers_tome.tome.planner": ["Planner", "finest_block_level"],
+    "ppdiffusers_tome.tome.policy": ["ASSUMED_BATCH", "MERGE_MIN_WORK", "POOL_MIN_RATIO", "POOL_MIN_WORK", "Decision",
                                 "Policy", "pools_by_default"],
-    "ppdiffusers_tome.merge": ["DEFAULT_CACHE_BYTES", "DenseFeaturePlan", "DenseLocalPlan", "GroupMergePlan",
+    "ppdiffusers_tome.ops": ["DEFAULT_CACHE_BYTES", "DenseFeaturePlan", "DenseLocalPlan", "GroupMergePlan",
                                "feature_partition_table", "force_kernels", "similarity_dtype"],
     "ppdiffusers_tome.testing": ["gpu_kernels"],
     "ppdiffusers_tome.tools.presets": ["DEFAULT_PRESET", "DTYPES", "available_memory_bytes", "available_presets",
@@ -86,8 +85,8 @@ def test_every_public_name_of_0_11_still_imports(module):
 
 def test_the_state_of_a_patch_is_still_a_tome_state():
     """0.11's ToMeState is the type of ``ModelPatch.state`` (the counters of tome_stats), in both its modules."""
-    from ppdiffusers_tome.patch import ModelPatch, ToMeState
-    from ppdiffusers_tome.state import ToMeState as StateToMeState
+    from ppdiffusers_tome.tome.patch import ModelPatch, ToMeState
+    from ppdiffusers_tome.tome.state import ToMeState as StateToMeState
 
     patch = ModelPatch.install(testing.tiny_unet(), ppdiffusers_tome.ToMeConfig())
     assert ToMeState is StateToMeState and isinstance(patch.state, ToMeState) and patch.state is patch.counters
@@ -99,9 +98,11 @@ def test_the_public_doors_lead_to_the_tools_objects():
     for name in presets.__all__:
         assert getattr(presets, name) is getattr(tool_presets, name), name
     for name in testing.__all__:
-        if name != "gpu_kernels":  # the tiny builders are tiny.py's, re-exported by tools.presets too
-            assert getattr(testing, name) is getattr(tiny, name) is getattr(tool_presets, name), name
-    assert set(tiny.__all__) <= set(testing.__all__) and set(tiny.__all__) - {"TEXT_HIDDEN"} <= set(presets.__all__)
+        if name != "gpu_kernels":  # the tiny builders are tiny.py's and pipelines.py's, re-exported by presets too
+            home = tiny if name in tiny.__all__ else pipelines
+            assert getattr(testing, name) is getattr(home, name) is getattr(tool_presets, name), name
+    builders = set(tiny.__all__) | set(pipelines.__all__) - {"assemble_pipeline"}
+    assert builders <= set(testing.__all__) and builders - {"TEXT_HIDDEN"} <= set(presets.__all__)
 
 
 def test_gpu_kernels_switch_the_kernel_family_in_every_thread_and_come_back():

@@ -5,10 +5,10 @@ import numpy as np
 import paddle
 
 import ppdiffusers_tome
-from ppdiffusers_tome.config import ToMeConfig
-from ppdiffusers_tome.merge import grid_partition
-from ppdiffusers_tome.patch import ModelPatch
+from ppdiffusers_tome.ops import grid_partition
 from ppdiffusers_tome.testing import tiny_unet
+from ppdiffusers_tome.tome.config import ToMeConfig
+from ppdiffusers_tome.tome.patch import ModelPatch
 from tests.conftest import run
 from tests.unet_calls import dst_positions_seen, unet_inputs
 

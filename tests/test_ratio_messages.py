@@ -2,7 +2,7 @@
 
 import pytest
 
-from ppdiffusers_tome.config import ToMeConfig, check_ratio
+from ppdiffusers_tome.tome.config import ToMeConfig, check_ratio
 
 
 @pytest.mark.parametrize("ratio", [0.5, 0.1, -0.2])

@@ -5,7 +5,7 @@ import os
 import numpy as np
 from PIL import Image
 
-from ppdiffusers_tome.merge import bipartite_soft_matching_random2d
+from ppdiffusers_tome.ops import bipartite_soft_matching_random2d
 from ppdiffusers_tome.testing import gpu_kernels
 from research.figure import draw_plan_figure, main, scene_tokens
 

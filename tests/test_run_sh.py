@@ -59,12 +59,12 @@ def test_a_path_replaces_the_default_selection():
 def test_options_alone_keep_the_whole_suite_and_the_doctests():
     """Options without a path (here -p and -k with their values) keep the default selection, tests/ and the
     package's doctests, which -k then filters."""
-    done = run_sh("test", "--collect-only", "-q", "-p", "no:cacheprovider", "-k", "test_presets_are_listed or merge",
+    done = run_sh("test", "--collect-only", "-q", "-p", "no:cacheprovider", "-k", "test_presets_are_listed or compat",
                   TEST_WORKERS="1")
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "bringing up nodes" not in done.stdout  # one worker: this process, no pytest-xdist
     files = collected_files(done)
-    assert "tests/test_cli.py" in files and "ppdiffusers_tome/merge.py" in files  # a test file and a doctest
+    assert "tests/test_cli.py" in files and "ppdiffusers_tome/compat.py" in files  # a test file and a doctest
 
 
 @needs_venv

@@ -11,14 +11,14 @@ from PIL import Image
 from ppdiffusers import DiffusionPipeline, StableDiffusion3Img2ImgPipeline, StableDiffusion3Pipeline
 from ppdiffusers.models.attention_processor import Attention, JointAttnProcessor2_5
 
-from ppdiffusers_tome.joint_attention import (
+from ppdiffusers_tome.presets import load_local_pipeline
+from ppdiffusers_tome.sd3_attention import (
     JointMathAttnProcessor,
     joint_attention_layers,
     math_attention,
     remove_math_attention,
     use_math_attention,
 )
-from ppdiffusers_tome.presets import load_local_pipeline
 from ppdiffusers_tome.testing import tiny_sd3_pipeline, tiny_sd3_transformer, tiny_unet
 
 from .conftest import generator

@@ -9,11 +9,11 @@ import paddle
 import pytest
 
 import ppdiffusers_tome
-from ppdiffusers_tome.config import ToMeConfig
-from ppdiffusers_tome.decision import Settings, decide, grid_of
-from ppdiffusers_tome.patch import find_blocks, get_patch
-from ppdiffusers_tome.policy import JOINT_MIN_WORK
 from ppdiffusers_tome.testing import gpu_kernels, tiny_sd3_transformer
+from ppdiffusers_tome.tome.config import ToMeConfig
+from ppdiffusers_tome.tome.decision import Settings, decide, grid_of
+from ppdiffusers_tome.tome.patch import find_blocks, get_patch
+from ppdiffusers_tome.tome.policy import JOINT_MIN_WORK
 from tests.numpy_reference import reference_plan
 from tests.test_sd3_tome import LATENT_CHANNELS, MODEL, WIDTH, forward, transformer_inputs
 

@@ -11,12 +11,12 @@ import pytest
 from ppdiffusers.models.attention_processor import AttnProcessor
 
 import ppdiffusers_tome
-import ppdiffusers_tome.joint_attention as joint_attention
-from ppdiffusers_tome.decision import Settings, decide, grid_of
-from ppdiffusers_tome.config import ToMeConfig
-from ppdiffusers_tome.patch import find_blocks, get_patch
-from ppdiffusers_tome.policy import JOINT_MIN_WORK
+import ppdiffusers_tome.sd3_attention as joint_attention
 from ppdiffusers_tome.testing import gpu_kernels, tiny_sd3_pipeline, tiny_sd3_transformer
+from ppdiffusers_tome.tome.config import ToMeConfig
+from ppdiffusers_tome.tome.decision import Settings, decide, grid_of
+from ppdiffusers_tome.tome.patch import find_blocks, get_patch
+from ppdiffusers_tome.tome.policy import JOINT_MIN_WORK
 from tests.test_sd3_model import linear64
 from tests.test_sd3_tome import (
     LATENT_CHANNELS,

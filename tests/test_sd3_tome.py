@@ -17,9 +17,9 @@ from paddle.static import InputSpec
 from PIL import Image
 
 import ppdiffusers_tome
-from ppdiffusers_tome.patch import get_patch
-from ppdiffusers_tome.registry import hooks_of
+from ppdiffusers_tome.core.registry import hooks_of
 from ppdiffusers_tome.testing import tiny_sd3_pipeline, tiny_sd3_transformer, tiny_sd_pipeline
+from ppdiffusers_tome.tome.patch import get_patch
 from tests.conftest import generator
 from tests.numpy_reference import reference_plan
 from tests.test_sd3_model import NoisePredictor, joint_attention_reference, linear64

@@ -8,19 +8,18 @@ import pickle
 import threading
 from types import SimpleNamespace
 
-import numpy as np
 import paddle
 import ppdiffusers
 import pytest
 
 import ppdiffusers_tome
-from ppdiffusers_tome import generation
-from ppdiffusers_tome.calls import model_calls
-from ppdiffusers_tome.config import ToMeConfig
-from ppdiffusers_tome.generation import StepClock
-from ppdiffusers_tome.patch import ModelPatch, get_patch
-from ppdiffusers_tome.state import CallRecord, Counters, PlanCache, timestep_values
+from ppdiffusers_tome.core import generation
+from ppdiffusers_tome.core.calls import model_calls
+from ppdiffusers_tome.core.generation import StepClock
 from ppdiffusers_tome.testing import tiny_sd_pipeline, tiny_unet
+from ppdiffusers_tome.tome.config import ToMeConfig
+from ppdiffusers_tome.tome.patch import ModelPatch, get_patch
+from ppdiffusers_tome.tome.state import CallRecord, Counters, PlanCache, timestep_values
 from tests.conftest import run
 from tests.unet_calls import unet_inputs
 
@@ -55,7 +54,7 @@ def test_a_call_record_lives_for_its_call_only_and_says_what_the_blocks_need():
 def test_only_a_ratio_schedule_reads_the_timestep_on_the_host(monkeypatch, options, reads):
     """The step of a call comes from the step clock, never from the timestep: only a ratio schedule (which needs
     the denoising progress as a number) reads it back from the device."""
-    import ppdiffusers_tome.patch as patch_module
+    import ppdiffusers_tome.tome.patch as patch_module
 
     read = []
     real = patch_module.progress_of

@@ -9,8 +9,8 @@ from paddle.static import InputSpec
 import ppdiffusers_tome
 from ppdiffusers_tome.ops import partition, windows
 from ppdiffusers_tome.ops.cache import clear_table_cache
-from ppdiffusers_tome.patch import ToMeStaticGraphError
 from ppdiffusers_tome.testing import gpu_kernels, tiny_unet
+from ppdiffusers_tome.tome.patch import ToMeStaticGraphError
 from tests.unet_calls import unet_inputs
 
 UNET = "UNet2DConditionModel"

@@ -8,10 +8,10 @@ import paddle
 import pytest
 
 import ppdiffusers_tome
-from ppdiffusers_tome.patch import get_patch
-from ppdiffusers_tome.registry import hooks_of
-from ppdiffusers_tome.step_cache import CacheConfig, StepCacheError, deep_blocks, get_cache
+from ppdiffusers_tome.cache.step_cache import CacheConfig, StepCacheError, deep_blocks, get_cache
+from ppdiffusers_tome.core.registry import hooks_of
 from ppdiffusers_tome.testing import tiny_sd_pipeline, tiny_unet
+from ppdiffusers_tome.tome.patch import get_patch
 from tests.conftest import run
 from tests.test_pipelines import KINDS, build
 from tests.thread_runs import alone_and_together

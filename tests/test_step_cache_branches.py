@@ -7,8 +7,8 @@ import paddle
 import pytest
 
 import ppdiffusers_tome
-from ppdiffusers_tome.cache_layout import layout_of
-from ppdiffusers_tome.step_cache import CacheConfig
+from ppdiffusers_tome.cache.layout import layout_of
+from ppdiffusers_tome.cache.step_cache import CacheConfig
 from ppdiffusers_tome.testing import tiny_controlnet_pipeline, tiny_dit_transformer, tiny_sd_pipeline, tiny_unet
 from tests.conftest import run
 from tests.test_pipelines import control_image

@@ -1,4 +1,4 @@
-"""The step cache exported as two static programs (``ppdiffusers_tome.cache_export``): the full and the cached step
+"""The step cache exported as two static programs (``ppdiffusers_tome.cache.export``): the full and the cached step
 convert, save and load, and on a fixed schedule give the eager step cache's outputs; the cached program holds no
 deep block; a dynamic batch, SDXL's added conditioning and ToMe inside the programs; clear errors."""
 
@@ -10,8 +10,8 @@ import pytest
 from paddle.static import InputSpec
 
 import ppdiffusers_tome
-from ppdiffusers_tome.cache_export import ScheduledSteps, StepPrograms
-from ppdiffusers_tome.step_cache import CacheConfig, deep_blocks, get_cache
+from ppdiffusers_tome.cache.export import ScheduledSteps, StepPrograms
+from ppdiffusers_tome.cache.step_cache import CacheConfig, deep_blocks, get_cache
 from ppdiffusers_tome.testing import tiny_controlnet, tiny_sdxl_pipeline, tiny_unet
 from ppdiffusers_tome.tools.measure import TransferCounter
 

@@ -18,7 +18,7 @@ from ppdiffusers import (
 )
 
 import ppdiffusers_tome
-from ppdiffusers_tome.step_cache import CacheConfig, deep_blocks
+from ppdiffusers_tome.cache.step_cache import CacheConfig, deep_blocks
 from ppdiffusers_tome.testing import tiny_controlnet_pipeline, tiny_dit_pipeline, tiny_sd_pipeline, tiny_unet
 from tests.conftest import run
 from tests.test_pipelines import control_image

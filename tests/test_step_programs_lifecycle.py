@@ -6,7 +6,7 @@ import paddle
 import pytest
 
 import ppdiffusers_tome
-from ppdiffusers_tome.cache_export import ScheduledSteps, StepPrograms
+from ppdiffusers_tome.cache.export import ScheduledSteps, StepPrograms
 from ppdiffusers_tome.testing import tiny_unet
 
 

@@ -6,10 +6,10 @@ import paddle
 import pytest
 
 import ppdiffusers_tome
-from ppdiffusers_tome.config import ToMeConfig
-from ppdiffusers_tome.patch import ModelPatch, find_blocks
-from ppdiffusers_tome.registry import hooks_of
+from ppdiffusers_tome.core.registry import hooks_of
 from ppdiffusers_tome.testing import tiny_unet
+from ppdiffusers_tome.tome.config import ToMeConfig
+from ppdiffusers_tome.tome.patch import ModelPatch, find_blocks
 from tests.unet_calls import hook_counts, unet_inputs
 
 

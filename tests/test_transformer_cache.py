@@ -9,9 +9,9 @@ import pytest
 from PIL import Image
 
 import ppdiffusers_tome
-from ppdiffusers_tome.patch import get_patch
-from ppdiffusers_tome.step_cache import CacheConfig, get_cache
+from ppdiffusers_tome.cache.step_cache import CacheConfig, get_cache
 from ppdiffusers_tome.testing import tiny_dit_pipeline, tiny_dit_transformer, tiny_sd3_pipeline, tiny_sd3_transformer
+from ppdiffusers_tome.tome.patch import get_patch
 from tests.conftest import generator
 from tests.unet_calls import hook_shape
 

@@ -12,9 +12,9 @@ import pytest
 from paddle.static import InputSpec
 
 import ppdiffusers_tome
-from ppdiffusers_tome.cache_export import StepPrograms
-from ppdiffusers_tome.registry import hooks_of
-from ppdiffusers_tome.step_cache import CacheConfig, StepCacheError, get_cache
+from ppdiffusers_tome.cache.export import StepPrograms
+from ppdiffusers_tome.cache.step_cache import CacheConfig, StepCacheError, get_cache
+from ppdiffusers_tome.core.registry import hooks_of
 from ppdiffusers_tome.testing import tiny_sd3_pipeline, tiny_sd3_transformer
 from tests.conftest import generator
 from tests.test_sd3_model import NoisePredictor

@@ -6,8 +6,8 @@ import threading
 import numpy as np
 import paddle
 
-from ppdiffusers_tome.patch import find_blocks, get_patch
-from ppdiffusers_tome.registry import hooks_of
+from ppdiffusers_tome.core.registry import hooks_of
+from ppdiffusers_tome.tome.patch import find_blocks, get_patch
 
 
 def unet_inputs(unet, batch=2, hw=(16, 16), seed=0):

@@ -94,8 +94,10 @@ def compute_dtype(dtype: Any) -> str:
 
 
 try:
-    from paddle.base.dygraph.base import in_sot_simulation_mode as _in_sot_simulation
-    from paddle.base.dygraph.base import in_to_static_mode as _in_to_static
+    from paddle.base.dygraph.base import (
+        in_sot_simulation_mode as _in_sot_simulation,
+        in_to_static_mode as _in_to_static,
+    )
 except ImportError:  # pragma: no cover - older Paddle
     _in_sot_simulation = _in_to_static = None
 

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 
 from .. import __version__
 from ..quiet import configure_logging, ignore_import_warnings
+from .messages import CALIBRATE_NEEDS_GPU
 from .presets import DEFAULT_PRESET, available_presets, default_resolution, preset_summary
 
 # shapes.shipped.DEMO_PROMPT and bench.BenchSettings.prompt, repeated for the same reason (a test keeps them equal)
@@ -35,10 +36,6 @@ SHAPES_PROMPT = "a small orange circle at the top on a blue background"
 DEFAULT_PROMPT = "a lighthouse on a cliff at sunset, detailed oil painting"
 # bench.ALL_METHODS, repeated here so that ``--help`` does not import bench (and Paddle); a test keeps them equal
 BENCH_METHODS = ("vanilla", "tome", "tome-efficient", "todo", "todo-efficient", "builtin", "bound", "cache")
-CALIBRATE_NEEDS_GPU = (
-    "--calibrate measures where merging starts to pay on a GPU, so it needs --device gpu. On a CPU apply_tome merges "
-    "at every size by default (policy='auto' is tomesd's there): nothing to calibrate"
-)
 INTERRUPTED_STATUS = 130  # what a shell reports for a program ended by Ctrl-C (128 + SIGINT)
 
 

@@ -31,7 +31,7 @@ from paddle import profiler
 from paddle.base.core import TracerEventType
 
 from .. import __version__
-from ..patch import find_blocks
+from ..tome.patch import find_blocks
 
 try:
     import resource  # the process' lifetime peak, where /proc is missing (not Linux)

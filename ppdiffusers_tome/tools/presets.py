@@ -24,6 +24,8 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from .pipelines import assemble_pipeline, tiny_controlnet_pipeline, tiny_sd_pipeline, tiny_sdxl_pipeline  # noqa: F401
+from .preset_configs import CONFIG_DIR, available_presets, load_preset  # noqa: F401
 from .tiny import (  # noqa: F401  (the tiny builders and the parts of every pipeline: see tiny.py)
     TEXT_HIDDEN,
     _byte_symbols,
@@ -33,13 +35,10 @@ from .tiny import (  # noqa: F401  (the tiny builders and the parts of every pip
     make_scheduler,
     random_controlnet,
     tiny_controlnet,
-    tiny_controlnet_pipeline,
     tiny_dit_pipeline,
     tiny_dit_transformer,
     tiny_sd3_pipeline,
     tiny_sd3_transformer,
-    tiny_sd_pipeline,
-    tiny_sdxl_pipeline,
     tiny_sdxl_unet,
     tiny_text_encoder,
     tiny_tokenizer,
@@ -47,8 +46,6 @@ from .tiny import (  # noqa: F401  (the tiny builders and the parts of every pip
     tiny_vae,
     write_tokenizer_files,
 )
-
-CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 
 __all__ = [
     "DEFAULT_PRESET",
@@ -84,25 +81,6 @@ __all__ = [
 ]
 
 DEFAULT_PRESET = "sd15-narrow"
-
-
-# configs ----------------------------------------------------------------------------------------------------------
-def available_presets() -> list[str]:
-    """Names of the shipped pipeline configs.
-
-    >>> "sd15-narrow" in available_presets()
-    True
-    """
-    return sorted(name[: -len(".json")] for name in os.listdir(CONFIG_DIR) if name.endswith(".json"))
-
-
-def load_preset(name: str) -> dict[str, Any]:
-    """The config dict of preset ``name`` (see :func:`available_presets`)."""
-    names = available_presets()
-    if name not in names:
-        raise ValueError(f"preset must be one of {names}; got {name!r}")
-    with open(os.path.join(CONFIG_DIR, name + ".json"), encoding="utf-8") as f:
-        return json.load(f)
 
 
 def preset_summary(name: str) -> str:
@@ -260,64 +238,6 @@ def check_attention_memory(
 # A preset's ``pipeline`` key (default "sd") gives its kind; a kind's tasks name the pipeline class. Seeds: the UNet
 # draws from ``seed``, the VAE from ``seed + 1``, the text encoders from ``seed`` and ``seed + 2``, ControlNet ``i``
 # from ``seed + 3 + i``.
-_PIPELINES = {
-    "sd": {
-        "txt2img": "StableDiffusionPipeline",
-        "img2img": "StableDiffusionImg2ImgPipeline",
-        "inpaint": "StableDiffusionInpaintPipeline",
-    },
-    "controlnet": {"txt2img": "StableDiffusionControlNetPipeline"},
-    "sdxl": {"txt2img": "StableDiffusionXLPipeline"},
-}
-_DEFAULT_SCHEDULERS = {"sd": "DDIMScheduler", "controlnet": "DDIMScheduler", "sdxl": "EulerDiscreteScheduler"}
-_NO_SAFETY_CHECKER = dict(safety_checker=None, feature_extractor=None, requires_safety_checker=False)
-
-
-def _text_parts(config: dict[str, Any], suffix: str, seed: int) -> dict[str, Any]:
-    """``tokenizer{suffix}`` and ``text_encoder{suffix}`` of a preset ``config``: ``suffix`` is ``""``, or ``"_2"``
-    for SDXL's second text encoder (the one with a projection)."""
-    max_length = config.get("tokenizer_max_length", 77)
-    tokenizer = tiny_tokenizer(max_length=max_length)
-    encoder = tiny_text_encoder(len(tokenizer.get_vocab()), max_length=max_length, projection=bool(suffix), seed=seed,
-                                **config["text_encoder" + suffix])
-    return {"tokenizer" + suffix: tokenizer, "text_encoder" + suffix: encoder}
-
-
-def _controlnet_part(config: dict[str, Any], unet, seed: int, count: int):
-    """The ControlNet of a ``controlnet`` preset, or a ``MultiControlNetModel`` of ``count`` of them."""
-    _, ppdiffusers, _ = _libs()
-    nets = [random_controlnet(unet, seed + 3 + i, **config["controlnet"]) for i in range(count)]
-    return nets[0] if count == 1 else ppdiffusers.pipelines.controlnet.MultiControlNetModel(nets)
-
-
-def _assemble(name: str, scheduler: str | None = None, seed: int = 0, dtype: str = "float32",
-              task: str = "txt2img", unet: Any | None = None, num_controlnets: int = 1):
-    """The pipeline of preset ``name`` for ``task`` with random weights (seeded, so reproducible); ``unet``
-    replaces the preset's UNet, ``num_controlnets > 1`` gives a ControlNet preset a MultiControlNet."""
-    _, ppdiffusers, _ = _libs()
-    config = load_preset(name)
-    kind = config.get("pipeline", "sd")
-    if kind not in _PIPELINES:
-        raise ValueError(f"preset {name!r} has an unknown pipeline kind {kind!r}")
-    if task not in _PIPELINES[kind]:
-        raise ValueError(f"kind must be one of {sorted(_PIPELINES[kind])}; got {task!r}")
-    parts = _text_parts(config, "", seed)
-    if unet is None:
-        inpaint = {"in_channels": 9} if task == "inpaint" else {}  # image latents and mask join the noisy latents
-        unet = _seeded_model("UNet2DConditionModel", dict(config["unet"], **inpaint), seed)
-    parts.update(unet=unet, vae=_seeded_model("AutoencoderKL", config["vae"], seed + 1))
-    if "text_encoder_2" in config:  # after the VAE, as preset_pipeline always did: Paddle's generator ends the same
-        parts.update(_text_parts(config, "_2", seed + 2))
-    parts["scheduler"] = make_scheduler(scheduler or _DEFAULT_SCHEDULERS[kind])
-    if kind == "sdxl":
-        parts["add_watermarker"] = False
-    else:
-        parts.update(_NO_SAFETY_CHECKER)
-    if kind == "controlnet":
-        parts["controlnet"] = _controlnet_part(config, unet, seed, num_controlnets)
-    return _finish(getattr(ppdiffusers, _PIPELINES[kind][task])(**parts), dtype)
-
-
 DTYPES = ("float32", "float16", "bfloat16")
 
 
@@ -348,7 +268,7 @@ def preset_pipeline(name: str = DEFAULT_PRESET, scheduler: str | None = None, se
     >>> pipe.unet.config.block_out_channels
     [64, 128, 256, 256]
     """
-    return _assemble(name, scheduler, seed, dtype)
+    return assemble_pipeline(name, scheduler, seed, dtype)
 
 
 def load_local_pipeline(folder: str, dtype: str = "float32", scheduler: str | None = None):

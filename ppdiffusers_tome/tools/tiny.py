@@ -25,18 +25,17 @@ import tempfile
 from collections.abc import Sequence
 from typing import Any
 
+from .preset_configs import load_preset
+
 __all__ = [
     "TEXT_HIDDEN",
     "make_scheduler",
     "random_controlnet",
     "tiny_controlnet",
-    "tiny_controlnet_pipeline",
     "tiny_dit_pipeline",
     "tiny_dit_transformer",
     "tiny_sd3_pipeline",
     "tiny_sd3_transformer",
-    "tiny_sd_pipeline",
-    "tiny_sdxl_pipeline",
     "tiny_sdxl_unet",
     "tiny_text_encoder",
     "tiny_tokenizer",
@@ -46,16 +45,9 @@ __all__ = [
 ]
 
 
-def _presets():
-    """:mod:`~ppdiffusers_tome.tools.presets`, imported on use (it imports this module at its top)."""
-    from . import presets
-
-    return presets
-
-
 def _preset(name: str) -> dict[str, Any]:
     """The config of preset ``name`` (see :func:`ppdiffusers_tome.tools.presets.load_preset`)."""
-    return _presets().load_preset(name)
+    return load_preset(name)
 
 
 def _libs():
@@ -208,30 +200,6 @@ def _finish(pipe, dtype: str = "float32"):
         pipe.to(dtype=dtype)
     pipe.set_progress_bar_config(disable=True)
     return pipe
-def tiny_sd_pipeline(
-    kind: str = "txt2img", scheduler: str = "DDIMScheduler", seed: int = 0, unet: Any | None = None
-):
-    """The ``tiny`` preset's Stable Diffusion pipeline (as :func:`preset_pipeline`) for ``kind`` ``txt2img``,
-    ``img2img`` or ``inpaint`` (a UNet with 9 input channels); ``unet`` replaces the preset's UNet.
-
-    >>> pipe = tiny_sd_pipeline()
-    >>> type(pipe).__name__
-    'StableDiffusionPipeline'
-    """
-    return _presets()._assemble("tiny", scheduler, seed, task=kind, unet=unet)
-
-
-def tiny_controlnet_pipeline(num_controlnets: int = 1, scheduler: str = "DDIMScheduler", seed: int = 0):
-    """The ``tiny-controlnet`` preset's ``StableDiffusionControlNetPipeline``; with ``num_controlnets > 1`` it holds
-    a MultiControlNet."""
-    return _presets()._assemble("tiny-controlnet", scheduler, seed, num_controlnets=num_controlnets)
-
-
-def tiny_sdxl_pipeline(scheduler: str = "EulerDiscreteScheduler", seed: int = 0):
-    """The ``tiny-sdxl`` preset's ``StableDiffusionXLPipeline`` (two text encoders, SDXL-style UNet)."""
-    return _presets()._assemble("tiny-sdxl", scheduler, seed)
-
-
 def tiny_dit_transformer(norm_type: str = "ada_norm_zero", seed: int = 0, sample_size: int = 16, num_layers: int = 3):
     """A small patch ``Transformer2DModel`` (patch size 2, ``num_layers`` blocks, 3 by default) with random weights:
     DiT-style (``norm_type="ada_norm_zero"``, class labels) or PixArt-alpha-style (``"ada_norm_single"``,
@@ -293,7 +261,7 @@ def tiny_sd3_transformer(seed: int = 0, math_attention: bool = True, **overrides
 
     Every parameter that ppdiffusers initialises to zero (the biases) is drawn non-zero, so that every term of the
     block's math shows in a test. With ``math_attention`` (the default) the joint attention runs through
-    :func:`ppdiffusers_tome.joint_attention.use_math_attention`, which any device can run; ``False`` keeps
+    :func:`ppdiffusers_tome.sd3_attention.use_math_attention`, which any device can run; ``False`` keeps
     ppdiffusers' processor, which needs its GPU attention function.
 
     >>> model = tiny_sd3_transformer()
@@ -310,7 +278,7 @@ def tiny_sd3_transformer(seed: int = 0, math_attention: bool = True, **overrides
         if float(param.abs().max()) == 0.0:
             param.set_value(paddle.randn(param.shape, dtype=param.dtype) * 0.05)
     if math_attention:
-        from ..joint_attention import use_math_attention
+        from ..sd3_attention import use_math_attention
 
         use_math_attention(model)
     return model
@@ -340,7 +308,7 @@ def tiny_sd3_pipeline(kind: str = "txt2img", seed: int = 0, transformer: Any | N
 
     The other task shares every model: ``StableDiffusion3Img2ImgPipeline(**pipe.components)``. Loading a folder
     written by ``save_pretrained`` gives ppdiffusers' own attention processors back; call
-    :func:`ppdiffusers_tome.joint_attention.use_math_attention` on it to run it on a CPU.
+    :func:`ppdiffusers_tome.sd3_attention.use_math_attention` on it to run it on a CPU.
 
     >>> pipe = tiny_sd3_pipeline()
     >>> type(pipe).__name__, pipe.text_encoder_3 is None, pipe.vae.config.latent_channels
@@ -364,7 +332,7 @@ def tiny_sd3_pipeline(kind: str = "txt2img", seed: int = 0, transformer: Any | N
     pipe = getattr(ppdiffusers, _SD3_PIPELINES[kind])(transformer=transformer, vae=vae, scheduler=scheduler,
                                                       text_encoder_3=None, tokenizer_3=None, **parts)
     if math_attention:
-        from ..joint_attention import use_math_attention
+        from ..sd3_attention import use_math_attention
 
         use_math_attention(pipe)
     return _finish(pipe)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...api import apply_tome, remove_tome
-from ...policy import POOL_MIN_WORK
+from ...tome.policy import POOL_MIN_WORK
 from ..measure import render_table
 
 __all__ = ["CANDIDATES", "CalibrationPoint", "as_dict", "break_even", "calibrate", "format_calibration", "gpu_timer"]

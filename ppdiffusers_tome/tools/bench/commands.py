@@ -23,15 +23,14 @@ from typing import Any
 
 import paddle
 
-from ...config import ToMeConfig
-from ...patch import find_blocks
-from ...planner import finest_block_level
+from ...tome.config import ToMeConfig
+from ...tome.patch import find_blocks
+from ...tome.planner import finest_block_level
 from .. import presets
 from ..measure import environment, set_threads
-from ..cli import CALIBRATE_NEEDS_GPU
+from ..messages import CALIBRATE_NEEDS_GPU
 from ..progress import ProgressBar
-from .calibrate import as_dict as calibration_dict
-from .calibrate import calibrate, format_calibration, gpu_timer
+from .calibrate import as_dict as calibration_dict, calibrate, format_calibration, gpu_timer
 from .demo import (
     DEMO_LEGEND,
     SHAPES_CAPTION,

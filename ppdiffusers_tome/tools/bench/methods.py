@@ -12,11 +12,10 @@ from typing import Any
 import paddle
 
 from ... import api
-from ...config import ToMeConfig
-from ...patch import ModelPatch
-from ...planner import Planner
-from ...step_cache import CONFIG_FIELDS as CACHE_FIELDS
-from ...step_cache import CacheConfig, apply_cache, remove_cache
+from ...cache.step_cache import CONFIG_FIELDS as CACHE_FIELDS, CacheConfig, apply_cache, remove_cache
+from ...tome.config import ToMeConfig
+from ...tome.patch import ModelPatch
+from ...tome.planner import Planner
 
 ALL_METHODS = ("vanilla", "tome", "tome-efficient", "todo", "todo-efficient", "builtin", "bound", "cache")
 RATIO_FREE = ("vanilla", "todo", "todo-efficient", "cache")  # methods that do not run once per --ratios value
@@ -27,7 +26,7 @@ _SHORT_OPTION = {"downsample_factor": "f", "downsample_mode": "mode", "recompute
 # the zero-overhead bound ------------------------------------------------------------------------------------------
 class TruncationPlan:
     """Keep the first ``N - r`` tokens, pad the output back with zeros: the cost of running attention on fewer
-    tokens with no matching at all. Same interface as :class:`ppdiffusers_tome.merge.MergePlan`."""
+    tokens with no matching at all. Same interface as :class:`ppdiffusers_tome.ops.MergePlan`."""
 
     def __init__(self, num_tokens: int, batch_size: int, r: int):
         self.num_tokens, self.batch_size, self.r = num_tokens, batch_size, r
@@ -119,7 +118,7 @@ def _split_top_level(text: str) -> list[str]:
 def parse_variant(text: str) -> Method:
     """``"todo:downsample_factor=4,downsample_mode=average"`` -> a :class:`Method` with those options (validated
     by :class:`ToMeConfig`). Values are Python literals; bare words are strings. ``cache:interval=2`` is the step
-    cache alone (options of :class:`~ppdiffusers_tome.step_cache.CacheConfig`); ``cache=k`` on a tome or todo
+    cache alone (options of :class:`~ppdiffusers_tome.cache.step_cache.CacheConfig`); ``cache=k`` on a tome or todo
     variant adds a step cache with ``interval=k``.
 
     >>> parse_variant("tome:recompute_every=5,ratio=(0.6,0.3)").label

@@ -17,7 +17,7 @@ import numpy as np
 import paddle
 
 from ... import api
-from ...patch import find_blocks
+from ...tome.patch import find_blocks
 from ..measure import ForwardTimer, OpCount, count_forward_ops, median, psnr, relative_l2
 from .devices import Device, default_device, is_out_of_memory
 from .inputs import DenoiserInputs, pipeline_kwargs

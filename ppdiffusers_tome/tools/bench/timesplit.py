@@ -11,7 +11,7 @@ import paddle
 from ppdiffusers.patches import tomesd_patch_utils
 
 from ... import api
-from ...patch import ModelPatch, find_blocks, get_patch
+from ...tome.patch import ModelPatch, find_blocks, get_patch
 from .devices import Device, default_device
 from .inputs import DenoiserInputs
 from .methods import APPLIED, BenchSettings, Method, configure

@@ -22,8 +22,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import paddle
 
-from .registry import Hook
-from .targets import fused_sd3_reason, is_fused_sd3
+from ..core.registry import Hook
+from ..core.targets import fused_sd3_reason, is_fused_sd3
 
 __all__ = ["AUTO", "Layout", "TransformerLayout", "UNetLayout", "layout_of"]
 
@@ -246,13 +246,13 @@ def _is_transformer(model: Any) -> bool:
 
 
 def layout_of(model: Any, config: Any, name: Optional[str] = None) -> Optional[Layout]:
-    """The layout of ``model`` for ``config`` (a :class:`~ppdiffusers_tome.step_cache.CacheConfig`). With
+    """The layout of ``model`` for ``config`` (a :class:`~ppdiffusers_tome.cache.step_cache.CacheConfig`). With
     ``config=None``: whether a step cache can go on ``model`` at all (a layout at the defaults, or None). With a
     config, a model that has no such structure, or settings it cannot take, raise ``ValueError`` naming the
     argument and its range.
 
     >>> from ppdiffusers_tome.testing import tiny_unet
-    >>> from ppdiffusers_tome.step_cache import CacheConfig
+    >>> from ppdiffusers_tome.cache.step_cache import CacheConfig
     >>> [name for name, _ in layout_of(tiny_unet(), CacheConfig(depth=1, layers=None)).deep][:2]
     ['down_blocks.0.downsamplers.0', 'down_blocks.1']
     >>> layout_of(tiny_unet(), CacheConfig()).layers  # the default, layers="auto": DeepCache's finest branch

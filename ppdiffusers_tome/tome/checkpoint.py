@@ -49,7 +49,7 @@ class RecomputePlans:
     (its ``Transformer2DModel``), or None.
 
     >>> from ppdiffusers_tome.testing import tiny_unet
-    >>> from ppdiffusers_tome.patch import find_blocks
+    >>> from ppdiffusers_tome.tome.patch import find_blocks
     >>> unet = tiny_unet()
     >>> plans = RecomputePlans(unet, find_blocks(unet))
     >>> plans.possible, len(plans)

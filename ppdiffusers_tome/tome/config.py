@@ -1,6 +1,6 @@
 """The validated, immutable settings of one ToMe patch (what to merge, where, and how much).
 
-Runtime state (the image size of the current call, the RNG key) lives in :mod:`ppdiffusers_tome.state`,
+Runtime state (the image size of the current call, the RNG key) lives in :mod:`ppdiffusers_tome.tome.state`,
 never here.
 """
 
@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass, fields
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Optional, Tuple, Union
 
-import numpy as np
-
-from .ops.downsample import DOWNSAMPLE_MODES
-from .ops.partition import max_ratio
+from ..core.validation import as_bool, as_choice, is_int, shown
+from ..ops.downsample import DOWNSAMPLE_MODES
+from ..ops.partition import max_ratio
 
 __all__ = [
     "ToMeConfig",
@@ -72,40 +71,6 @@ def ratio_at(ratio: RatioSpec, progress: float) -> float:
     return ratio
 
 
-def is_int(value: Any) -> bool:
-    """A Python or numpy integer, not a bool: what every integer option of the package accepts (ToMe's and the step
-    cache's alike).
-
-    >>> import numpy as np
-    >>> is_int(3), is_int(np.int64(3)), is_int(True), is_int(3.0)
-    (True, True, False, False)
-    """
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def _as_bool(value: Any) -> Optional[bool]:
-    """``value`` as a plain bool if it is a Python or numpy bool, else None (0/1 and tensors are not bools)."""
-    return bool(value) if isinstance(value, (bool, np.bool_)) else None
-
-
-def _as_choice(value: Any, choices: Sequence[str]) -> Optional[str]:
-    """``value`` as a plain str if it is one of ``choices`` (no comparison with arrays or tensors), else None."""
-    return str(value) if isinstance(value, str) and value in choices else None
-
-
-def _shown(value: Any) -> str:
-    """``repr(value)`` on one line and at most ~100 characters, plus a hint for arrays and tensors, for messages."""
-    try:
-        text = " ".join(repr(value).split())
-    except Exception:  # noqa: BLE001 - a broken __repr__ must not hide the real error
-        text = f"<{type(value).__name__}>"
-    if len(text) > 100:
-        text = text[:97] + "..."
-    if hasattr(value, "shape") and hasattr(value, "dtype"):  # numpy array, paddle Tensor
-        text += " (pass a plain Python value, not an array or a Tensor)"
-    return text
-
-
 def check_ratio(value: Any, sx: int, sy: int, where: str = "") -> float:
     """``value`` as a float if it is an admissible merge ratio for strides ``sx``, ``sy`` (0, or strictly between 0
     and ``1 - 1/(sx*sy)``), else a ``ValueError`` naming ``ratio<where>`` and the range. The one ratio rule, used
@@ -126,13 +91,13 @@ def check_ratio(value: Any, sx: int, sy: int, where: str = "") -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or value != value:
         forms = ", a (start, end) pair or a callable of the progress" if not where else ""
         if only_zero:
-            raise ValueError(f"ratio{where} must be the number 0{forms}: {only_zero}; got {_shown(value)}")
-        raise ValueError(f"ratio{where} must be a number in [0, {limit:g}){forms}; got {_shown(value)}")
+            raise ValueError(f"ratio{where} must be the number 0{forms}: {only_zero}; got {shown(value)}")
+        raise ValueError(f"ratio{where} must be a number in [0, {limit:g}){forms}; got {shown(value)}")
     if value != 0 and not 0 < value < limit:
         if only_zero:
-            raise ValueError(f"ratio{where} must be 0: {only_zero}; got {_shown(value)}")
+            raise ValueError(f"ratio{where} must be 0: {only_zero}; got {shown(value)}")
         allowed = f"[0, {limit:g}) for sx={sx}, sy={sy} (the limit is 1 - 1/(sx*sy))"
-        raise ValueError(f"ratio{where} must be in {allowed}; got {_shown(value)}")
+        raise ValueError(f"ratio{where} must be in {allowed}; got {shown(value)}")
     return float(value)
 
 
@@ -142,7 +107,7 @@ def _checked_unused_ratio(value: Any, where: str) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or value != value or not 0 <= value < 1:
         raise ValueError(
             f"ratio{where} must be a number in [0, 1) (method='todo' does not use it, but it must still be a ratio); "
-            f"got {_shown(value)}"
+            f"got {shown(value)}"
         )
     return float(value)
 
@@ -213,7 +178,7 @@ class ToMeConfig:
         policy: ``"auto"`` (the default) or ``"tomesd"``. ``"tomesd"`` merges every eligible block as tomesd
             does, on any device. ``"auto"`` does the same on CPU kernels; on GPU kernels it skips the blocks whose
             attention work is below ``min_work`` and, where merging pays and the plan settings are the defaults,
-            pools the keys and values instead of matching (see :mod:`ppdiffusers_tome.policy`). Settings you
+            pools the keys and values instead of matching (see :mod:`ppdiffusers_tome.tome.policy`). Settings you
             give always keep their plan; ``tome_status`` says what was chosen per level and why.
         min_work: the ``"auto"`` policy's threshold on a block's attention work, ``batch * tokens**2``: blocks
             below it are skipped. ``None`` (the default) means, on GPU kernels, 2**26 where the policy pools (512 px
@@ -255,42 +220,42 @@ class ToMeConfig:
         # raises from inside numpy/paddle), and stored as the plain Python value (np.int64(2) -> 2)
         store = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 - frozen dataclass
         # the method first: with ToDo the ratio is not used, so it is not held to the stride limit
-        method = _as_choice(self.method, METHODS)
+        method = as_choice(self.method, METHODS)
         if method is None:
-            raise ValueError(f"method must be one of {METHODS}; got {_shown(self.method)}")
+            raise ValueError(f"method must be one of {METHODS}; got {shown(self.method)}")
         store("method", method)
         for name in ("sx", "sy"):
             value = getattr(self, name)
             if not is_int(value) or not 1 <= value <= MAX_STRIDE:
                 raise ValueError(
                     f"{name} must be an integer >= 1 and <= {MAX_STRIDE} (one dst token per sy x sx cell of the "
-                    f"token grid); got {_shown(value)}"
+                    f"token grid); got {shown(value)}"
                 )
             store(name, int(value))
         store("ratio", self._checked_ratio(self.ratio))
         max_downsample = self.max_downsample
-        if _as_choice(max_downsample, ("auto",)) is not None:
+        if as_choice(max_downsample, ("auto",)) is not None:
             store("max_downsample", "auto")
         elif is_int(max_downsample) and max_downsample in ALLOWED_MAX_DOWNSAMPLE:
             store("max_downsample", int(max_downsample))
         else:
             raise ValueError(
-                f"max_downsample must be 'auto' or one of {ALLOWED_MAX_DOWNSAMPLE}; got {_shown(max_downsample)}"
+                f"max_downsample must be 'auto' or one of {ALLOWED_MAX_DOWNSAMPLE}; got {shown(max_downsample)}"
             )
         for name in ("use_rand", "merge_attn", "merge_crossattn", "merge_mlp", "deterministic"):
-            flag = _as_bool(getattr(self, name))
+            flag = as_bool(getattr(self, name))
             if flag is None:
-                raise ValueError(f"{name} must be True or False; got {_shown(getattr(self, name))}")
+                raise ValueError(f"{name} must be True or False; got {shown(getattr(self, name))}")
             store(name, flag)
         if not is_int(self.seed) or self.seed < 0:
-            raise ValueError(f"seed must be an integer >= 0; got {_shown(self.seed)}")
+            raise ValueError(f"seed must be an integer >= 0; got {shown(self.seed)}")
         store("seed", int(self.seed))
-        mode = _as_choice(self.downsample_mode, DOWNSAMPLE_MODES)
+        mode = as_choice(self.downsample_mode, DOWNSAMPLE_MODES)
         if mode is None:
-            raise ValueError(f"downsample_mode must be one of {DOWNSAMPLE_MODES}; got {_shown(self.downsample_mode)}")
+            raise ValueError(f"downsample_mode must be one of {DOWNSAMPLE_MODES}; got {shown(self.downsample_mode)}")
         store("downsample_mode", mode)
         if not is_int(self.downsample_factor) or self.downsample_factor not in DOWNSAMPLE_FACTORS:
-            raise ValueError(f"downsample_factor must be an integer in [2, 8]; got {_shown(self.downsample_factor)}")
+            raise ValueError(f"downsample_factor must be an integer in [2, 8]; got {shown(self.downsample_factor)}")
         store("downsample_factor", int(self.downsample_factor))
         if self.method == "todo" and (self.merge_crossattn or self.merge_mlp or not self.merge_attn):
             raise ValueError(
@@ -307,40 +272,40 @@ class ToMeConfig:
                 raise ValueError(
                     f"match_window must be None (match across the whole grid, as tomesd) or an integer in "
                     f"[{max(2, smallest)}, {MAX_WINDOW}] (tokens per side of a matching window, at least "
-                    f"max(sx, sy)={smallest} so that a window holds a cell); got {_shown(window)}"
+                    f"max(sx, sy)={smallest} so that a window holds a cell); got {shown(window)}"
                 )
             store("match_window", int(window))
-        order = _as_choice(self.match_order, MATCH_ORDERS)
+        order = as_choice(self.match_order, MATCH_ORDERS)
         if order is None:
-            raise ValueError(f"match_order must be one of {MATCH_ORDERS}; got {_shown(self.match_order)}")
+            raise ValueError(f"match_order must be one of {MATCH_ORDERS}; got {shown(self.match_order)}")
         if order == "feature" and window is None:
             raise ValueError(
                 "match_order='feature' cuts match_window's windows along the features; set match_window (an integer "
                 f"in [{max(2, smallest)}, {MAX_WINDOW}]) with it, or leave match_order='grid'"
             )
         store("match_order", order)
-        share = _as_choice(self.share_plan, SHARE_PLAN)
+        share = as_choice(self.share_plan, SHARE_PLAN)
         if share is None:
-            raise ValueError(f"share_plan must be one of {SHARE_PLAN}; got {_shown(self.share_plan)}")
+            raise ValueError(f"share_plan must be one of {SHARE_PLAN}; got {shown(self.share_plan)}")
         store("share_plan", share)
         if not is_int(self.min_tokens) or self.min_tokens < 0:
             raise ValueError(
-                f"min_tokens must be an integer >= 0 (merge only where batch * tokens reaches it); got {_shown(self.min_tokens)}"
+                f"min_tokens must be an integer >= 0 (merge only where batch * tokens reaches it); got {shown(self.min_tokens)}"
             )
         store("min_tokens", int(self.min_tokens))
-        policy = _as_choice(self.policy, POLICIES)
+        policy = as_choice(self.policy, POLICIES)
         if policy is None:
-            raise ValueError(f"policy must be one of {POLICIES}; got {_shown(self.policy)}")
+            raise ValueError(f"policy must be one of {POLICIES}; got {shown(self.policy)}")
         store("policy", policy)
         work = self.min_work
         if work is not None and (not is_int(work) or work < 0):
             raise ValueError(
                 "min_work must be None (the policy's default: 2**26 or 2**28 on GPU kernels, 0 on CPU kernels) or an integer "
-                f">= 0 (merge only in blocks where batch * tokens**2 reaches it); got {_shown(work)}"
+                f">= 0 (merge only in blocks where batch * tokens**2 reaches it); got {shown(work)}"
             )
         if work is not None and policy == "tomesd":
             raise ValueError(
-                f"min_work={_shown(work)} is a threshold of policy='auto'; policy='tomesd' merges every eligible block. "
+                f"min_work={shown(work)} is a threshold of policy='auto'; policy='tomesd' merges every eligible block. "
                 "Leave min_work=None with policy='tomesd', or use policy='auto'"
             )
         store("min_work", None if work is None else int(work))
@@ -355,7 +320,7 @@ class ToMeConfig:
 
         if isinstance(ratio, (tuple, list)):
             if len(ratio) != 2:
-                raise ValueError(f"ratio as a schedule must be a (start, end) pair; got {_shown(ratio)}")
+                raise ValueError(f"ratio as a schedule must be a (start, end) pair; got {shown(ratio)}")
             return (check(ratio[0], " start"), check(ratio[1], " end"))
         if callable(ratio) and todo:  # never called by ToDo, so not probed either
             return ratio
@@ -375,13 +340,13 @@ class ToMeConfig:
         if is_int(value):
             if value < 1:
                 raise ValueError(
-                    f"recompute_every must be an integer >= 1 or a list of step indices; got {_shown(value)}"
+                    f"recompute_every must be an integer >= 1 or a list of step indices; got {shown(value)}"
                 )
             return int(value)
         if isinstance(value, (list, tuple, range)) and len(value) > 0 and all(is_int(v) and v >= 0 for v in value):
             return tuple(sorted({int(v) for v in value}))
         raise ValueError(
-            f"recompute_every must be an integer >= 1 or a non-empty list of step indices >= 0; got {_shown(value)}"
+            f"recompute_every must be an integer >= 1 or a non-empty list of step indices >= 0; got {shown(value)}"
         )
 
     @property

@@ -9,8 +9,9 @@ model and :func:`remove_math_attention` puts the replaced processors back. Nothi
 processor lives on the attention layers it is set on, like any other ppdiffusers processor.
 
 :func:`joint_attention` is that processor's computation with the attention core as an argument and, optionally, the
-image keys and values projected from other tokens: ToDo on SD3 (:func:`downsampled_joint_attention`) passes the
-image tokens downsampled on the patch grid, with the core of the layer's processor (:func:`attention_core`).
+image keys and values projected from other tokens: ToDo on SD3
+(:func:`ppdiffusers_tome.tome.joint_attention.downsampled_joint_attention`) passes the image tokens downsampled on
+the patch grid.
 
 This does not reach the fused transformer that ppdiffusers builds when the environment variable
 ``INFERENCE_OPTIMIZE=True`` is set (``simplified_sd3.py``, which calls the GPU function directly and needs
@@ -26,10 +27,10 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, TypeVar
 import paddle
 from ppdiffusers.models.attention_processor import Attention, JointAttnProcessor2_5
 
-from .targets import is_fused_layer
+from .core.targets import is_fused_layer
 
-__all__ = ["JointMathAttnProcessor", "attention_core", "downsampled_joint_attention", "joint_attention",
-           "joint_attention_layers", "math_attention", "remove_math_attention", "stock_attention", "use_math_attention"]
+__all__ = ["JointMathAttnProcessor", "joint_attention", "joint_attention_layers", "math_attention",
+           "remove_math_attention", "stock_attention", "use_math_attention"]
 
 logger = logging.getLogger(__name__)
 
@@ -131,21 +132,6 @@ def stock_attention(query: paddle.Tensor, key: paddle.Tensor, value: paddle.Tens
     return function(query, key, value, dropout_p=0.0, is_causal=False)
 
 
-def attention_core(processor: Any) -> Optional[Callable[..., paddle.Tensor]]:
-    """The attention core a joint attention processor runs: :func:`math_attention` for
-    :class:`JointMathAttnProcessor`, :func:`stock_attention` for ppdiffusers' own ``JointAttnProcessor2_5``, None for
-    any other processor (whose core this package does not know).
-
-    >>> attention_core(JointMathAttnProcessor()) is math_attention, attention_core(object())
-    (True, None)
-    """
-    if isinstance(processor, JointMathAttnProcessor):
-        return math_attention
-    if type(processor) is JointAttnProcessor2_5:
-        return stock_attention
-    return None
-
-
 def joint_attention(attn: Attention, hidden_states: paddle.Tensor, encoder_hidden_states: paddle.Tensor,
                     core: Callable[..., paddle.Tensor],
                     image_kv: Optional[paddle.Tensor] = None) -> Tuple[paddle.Tensor, paddle.Tensor]:
@@ -186,18 +172,6 @@ def joint_attention(attn: Attention, hidden_states: paddle.Tensor, encoder_hidde
     if not attn.context_pre_only:
         text = attn.to_add_out(text)
     return image, text
-
-
-def downsampled_joint_attention(attn: Attention, hidden_states: paddle.Tensor, encoder_hidden_states: paddle.Tensor,
-                                image_kv: paddle.Tensor) -> Tuple[paddle.Tensor, paddle.Tensor]:
-    """ToDo on a joint attention layer: :func:`joint_attention` with the image keys and values from ``image_kv``
-    and the attention core of the layer's processor (:func:`attention_core`); refuses, by name, a processor whose
-    core is unknown."""
-    core = attention_core(attn.processor)
-    if core is None:
-        raise ValueError(f"method='todo' on SD3 runs the joint attention with the core of JointAttnProcessor2_5 or "
-                         f"JointMathAttnProcessor; this layer has {type(attn.processor).__name__}")
-    return joint_attention(attn, hidden_states, encoder_hidden_states, core, image_kv)
 
 
 def _layers_of(obj: Any) -> List[Tuple[str, paddle.nn.Layer]]:

@@ -12,8 +12,6 @@ from typing import Any, Callable, List, Optional, Tuple
 
 import paddle
 
-from .config import is_int
-
 __all__ = ["SKIPPED_COMPONENTS", "Targets", "fused_sd3_reason", "is_fused_layer", "is_fused_sd3",
            "is_multi_controlnet", "pipeline_candidates", "resolve"]
 

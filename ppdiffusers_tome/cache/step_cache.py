@@ -2,8 +2,8 @@
 on the steps between, only the shallow part runs and the deep part's work comes from the last full step.
 
 One technique in one file: :class:`CacheConfig` (the validated settings), the hooks that do it (through
-:mod:`ppdiffusers_tome.registry`), and :func:`apply_cache` / :func:`remove_cache` / :func:`reset_cache` /
-:func:`cache_status`. Which parts of a model are deep is :mod:`ppdiffusers_tome.cache_layout`'s.
+:mod:`ppdiffusers_tome.core.registry`), and :func:`apply_cache` / :func:`remove_cache` / :func:`reset_cache` /
+:func:`cache_status`. Which parts of a model are deep is :mod:`ppdiffusers_tome.cache.layout`'s.
 
 **UNets and ControlNets.** ``down_blocks[i]`` and ``up_blocks[-1 - i]`` are tied by skip connections. With
 ``depth=d`` the deep blocks (``down_blocks[d:]``, ``mid_block``, ``up_blocks[:-d]``, and the downsampler of
@@ -11,7 +11,7 @@ One technique in one file: :class:`CacheConfig` (the validated settings), the ho
 each returns its kept output without computing anything, so the shallow up blocks receive the deep feature of the
 last full step and this step's own skip connections. A ControlNet gets the same treatment (the residuals it would
 compute for the deep blocks are thrown away by the UNet on a cached step). With ``layers=k`` the cached step runs
-still less (DeepCache's finer branches, see :mod:`~ppdiffusers_tome.cache_layout`).
+still less (DeepCache's finer branches, see :mod:`~ppdiffusers_tome.cache.layout`).
 
 **Transformer-only models** (SD3's MMDiT, DiT, PixArt-alpha). The first ``depth`` and the last ``depth`` transformer
 blocks run on every step; on a cached step the blocks between contribute what they added on the last full step
@@ -19,7 +19,7 @@ blocks run on every step; on a cached step the blocks between contribute what th
 output.
 
 Steps are the pipeline's denoising steps and each call site of a step (split guidance, a panorama's views) keeps its
-own features (:mod:`ppdiffusers_tome.generation`): every pipeline call that reaches a cached model starts at step 0,
+own features (:mod:`ppdiffusers_tome.core.generation`): every pipeline call that reaches a cached model starts at step 0,
 whatever pipeline object made it. A model called outside a pipeline counts its calls from :func:`apply_cache` or
 :func:`reset_cache`. With gradients on (training, guidance by gradients) every call is full and nothing is kept.
 Nothing is read from the device: which steps are full is decided by Python counters.
@@ -30,16 +30,16 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import asdict, dataclass, fields, replace
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import paddle
 
-from .cache_layout import AUTO, Layout, TransformerLayout, layout_of
-from .calls import drop_calls_if_alone, model_calls, refuse_if_running
-from .ops.runtime import converting
-from .registry import LOCK, Hook, StaticGraphError, add_hook, hooks_of, remove_hook
-from .config import _as_choice, _shown, is_int
-from .targets import fused_sd3_reason, is_fused_sd3, pipeline_candidates, resolve
+from ..core.calls import drop_calls_if_alone, model_calls, refuse_if_running
+from ..core.registry import LOCK, Hook, StaticGraphError, add_hook, hooks_of, remove_hook
+from ..core.targets import fused_sd3_reason, is_fused_sd3, pipeline_candidates, resolve
+from ..core.validation import as_choice, is_int, shown
+from ..ops.runtime import converting
+from .layout import AUTO, Layout, TransformerLayout, layout_of
 
 __all__ = ["CacheConfig", "StepCache", "StepCacheError", "apply_cache", "cache_status", "get_cache", "remove_cache",
            "reset_cache"]
@@ -97,11 +97,11 @@ class CacheConfig:
         if not is_int(self.depth) or self.depth < 1:
             raise ValueError("depth must be an integer >= 1 (levels of a UNet, or blocks at each end of a "
                              f"transformer, that run on every step); got {self.depth!r}")
-        if _as_choice(self.layers, (AUTO,)) is not None:
+        if as_choice(self.layers, (AUTO,)) is not None:
             store("layers", AUTO)  # (a numpy str as a plain one)
         elif self.layers is not None and (not is_int(self.layers) or self.layers < 1):
             raise ValueError(f"layers must be {AUTO!r}, None or an integer >= 1 (layers of the last up block that run "
-                             f"on a cached step); got {_shown(self.layers)}")
+                             f"on a cached step); got {shown(self.layers)}")
         if is_int(self.layers) and self.depth != 1:
             raise ValueError(f"layers={self.layers!r} cuts inside the first level, so it needs depth=1; got "
                              f"depth={self.depth!r}")
@@ -262,7 +262,7 @@ def _static_refusal(cache: StepCache) -> str:
         return kept + (f"{type(cache.model).__name__} is a transformer-only model, whose step cache has no step "
                        "programs (they are built for UNets); remove it (remove_cache) before paddle.jit.to_static "
                        "(ToMe alone exports)")
-    return kept + ("export the full and the cached step as two programs (ppdiffusers_tome.cache_export."
+    return kept + ("export the full and the cached step as two programs (ppdiffusers_tome.cache.export."
                    "StepPrograms), or remove it (remove_cache) before paddle.jit.to_static")
 
 
@@ -390,7 +390,7 @@ def cache_status(obj: Any) -> Dict[str, Optional[Dict[str, Any]]]:
 def deep_blocks(model: paddle.nn.Layer, depth: int = 1,
                 layers: Union[int, str, None] = AUTO) -> List[Tuple[str, paddle.nn.Layer]]:
     """The parts of a UNet or ControlNet that run only on full steps at ``depth`` and ``layers`` (as
-    :class:`CacheConfig` takes them), in call order (see :func:`~ppdiffusers_tome.cache_layout.layout_of`)."""
+    :class:`CacheConfig` takes them), in call order (see :func:`~ppdiffusers_tome.cache.layout.layout_of`)."""
     return layout_of(model, CacheConfig(depth=depth, layers=layers)).deep
 
 

@@ -3,9 +3,9 @@ block's input shape, the call (latent size, kernel family, ratio now, finest lev
 
 :func:`decide` answers, in this order: does anything merge at all; which token grid and level the block is at, and
 whether that level merges; is the block below ``min_tokens``; what the policy says for its size and kernels (skip,
-K/V pooling, or the settings' plan, see :mod:`~ppdiffusers_tome.policy`); ToDo's downsampling; whether the grid
+K/V pooling, or the settings' plan, see :mod:`~ppdiffusers_tome.tome.policy`); ToDo's downsampling; whether the grid
 holds a cell and the ratio leaves a token to merge. It returns a :class:`BlockDecision` with the reason in words, and
-writes nothing: counting, planning and reporting are the hooks' (:mod:`~ppdiffusers_tome.hooks`). Its answers are
+writes nothing: counting, planning and reporting are the hooks' (:mod:`~ppdiffusers_tome.tome.hooks`). Its answers are
 memoised by the hooks, so a block call that does not merge costs one dictionary lookup.
 """
 
@@ -16,9 +16,9 @@ from typing import Any, Optional, Tuple
 
 import paddle
 
+from ..ops.partition import find_downsample
+from ..ops.windows import window_sides
 from .config import ToMeConfig, tokens_to_merge
-from .ops.partition import find_downsample
-from .ops.windows import window_sides
 from .policy import POOL, SKIP, Policy
 from .state import ToMeStaticGraphError
 
@@ -38,7 +38,7 @@ def finest_block_level(model: Any, blocks: list[tuple[str, Any]]) -> int | None:
     in the call decides).
 
     >>> from ppdiffusers_tome.testing import tiny_unet
-    >>> from ppdiffusers_tome.patch import find_blocks
+    >>> from ppdiffusers_tome.tome.patch import find_blocks
     >>> unet = tiny_unet()
     >>> finest_block_level(unet, find_blocks(unet))
     1
@@ -148,7 +148,7 @@ def decide(settings: Settings, tokens: int, batch: int, grid: Optional[Tuple[int
     ``kernels`` (``"cpu"``/``"gpu"``), at merge ``ratio``.
 
     >>> from ppdiffusers_tome.testing import tiny_unet
-    >>> from ppdiffusers_tome.patch import find_blocks
+    >>> from ppdiffusers_tome.tome.patch import find_blocks
     >>> unet = tiny_unet()
     >>> settings = Settings(ToMeConfig(), unet, find_blocks(unet))
     >>> decide(settings, 256, 2, grid_of(settings, (16, 16), 256), 1, "cpu", 0.5).action

@@ -13,7 +13,7 @@ Which program a step runs is decided on the host by :meth:`CacheConfig.is_full` 
 read from the device.
 
 >>> import paddle, ppdiffusers_tome
->>> from ppdiffusers_tome.cache_export import StepPrograms
+>>> from ppdiffusers_tome.cache.export import StepPrograms
 >>> from ppdiffusers_tome.testing import tiny_unet
 >>> unet = ppdiffusers_tome.apply_cache(tiny_unet(), interval=2)
 >>> programs = StepPrograms(unet)
@@ -30,7 +30,7 @@ from typing import Any, Callable, Optional, Tuple
 import paddle
 from paddle.static import InputSpec
 
-from .cache_layout import TransformerLayout
+from .layout import TransformerLayout
 from .step_cache import CacheConfig, get_cache
 
 __all__ = ["CachedStep", "FullStep", "ScheduledSteps", "StepPrograms"]
@@ -120,7 +120,7 @@ class StepPrograms:
     Example (converted, saved, loaded and run for four steps of ``interval=3``):
         >>> import tempfile, paddle, ppdiffusers_tome
         >>> from paddle.static import InputSpec
-        >>> from ppdiffusers_tome.cache_export import ScheduledSteps, StepPrograms
+        >>> from ppdiffusers_tome.cache.export import ScheduledSteps, StepPrograms
         >>> from ppdiffusers_tome.testing import tiny_unet
         >>> unet = ppdiffusers_tome.apply_cache(tiny_unet(), interval=3)
         >>> inputs = [paddle.randn([2, 4, 16, 16]), paddle.to_tensor([10, 10]), paddle.randn([2, 5, 32])]

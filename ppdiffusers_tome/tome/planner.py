@@ -1,4 +1,4 @@
-"""How a block call's plan is made, once :func:`~ppdiffusers_tome.decision.decide` has said what the block does.
+"""How a block call's plan is made, once :func:`~ppdiffusers_tome.tome.decision.decide` has said what the block does.
 
 K/V pooling and ToDo get a :class:`~ppdiffusers_tome.ops.downsample.DownsamplePlan` (one plan builder for both,
 differing in factor and mode). A merge gets, in this order: the plan an earlier block of the same call made at the
@@ -13,13 +13,13 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from ..ops.downsample import DownsamplePlan
+from ..ops.global_plan import MergePlan, bipartite_soft_matching_random2d
+from ..ops.local_plan import LocalMergePlan
+from ..ops.partition import layout, pick_partitions, step_key
+from ..ops.windows import window_sides, windows
 from .config import ToMeConfig, tokens_to_merge
 from .decision import MERGE, POOLED, TODO, BlockDecision, finest_block_level
-from .ops.downsample import DownsamplePlan
-from .ops.global_plan import MergePlan, bipartite_soft_matching_random2d
-from .ops.local_plan import LocalMergePlan
-from .ops.partition import layout, pick_partitions, step_key
-from .ops.windows import window_sides, windows
 from .state import CallRecord, Counters, PlanCache
 
 __all__ = ["Planner", "finest_block_level"]
@@ -32,7 +32,7 @@ class Planner:
     :meth:`global_plan` (the benchmark's zero-overhead bound does).
 
     >>> from ppdiffusers_tome.testing import tiny_unet
-    >>> from ppdiffusers_tome.patch import find_blocks
+    >>> from ppdiffusers_tome.tome.patch import find_blocks
     >>> planner = Planner(ToMeConfig(), num_blocks=len(find_blocks(tiny_unet())))
     >>> planner.caches, planner.share_level
     (False, False)

@@ -101,7 +101,7 @@ def _progress_bar(self: Any, iterable: Any = None, total: Any = None) -> Any:
     return _Bar(bar, generation)
 
 
-_progress_bar.__doc__ = "ppdiffusers' progress bar; each call starts a new generation (ppdiffusers_tome.generation)."
+_progress_bar.__doc__ = "ppdiffusers' progress bar; each call starts a new generation (ppdiffusers_tome.core.generation)."
 
 
 def hold() -> None:

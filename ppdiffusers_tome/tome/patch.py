@@ -1,12 +1,12 @@
 """ToMe on one model (a UNet, one ControlNet, one DiT / PixArt-alpha transformer): its hooks, what a block call
 does, and the record of each call.
 
-One :class:`ModelPatch` per patched model adds, through :mod:`ppdiffusers_tome.registry` (all named ``"tome"``):
+One :class:`ModelPatch` per patched model adds, through :mod:`ppdiffusers_tome.core.registry` (all named ``"tome"``):
 
-* a :class:`~ppdiffusers_tome.hooks.ModelHook` on the model (inside the model's :class:`~.calls.ModelCalls`);
-* a :class:`~ppdiffusers_tome.hooks.BlockHook` on every ``BasicTransformerBlock`` that can merge: with a model whose
+* a :class:`~ppdiffusers_tome.tome.hooks.ModelHook` on the model (inside the model's :class:`~.calls.ModelCalls`);
+* a :class:`~ppdiffusers_tome.tome.hooks.BlockHook` on every ``BasicTransformerBlock`` that can merge: with a model whose
   structure says each block's level (a UNet, a ControlNet), only the blocks at a level that merges are hooked;
-* a :class:`~ppdiffusers_tome.hooks.SublayerHook` on ``attn1`` (and ``attn2`` / ``ff`` when enabled) of those blocks.
+* a :class:`~ppdiffusers_tome.tome.hooks.SublayerHook` on ``attn1`` (and ``attn2`` / ``ff`` when enabled) of those blocks.
 
 :meth:`ModelPatch.remove` takes exactly those off; the last hook of a layer gives it back its class.
 """
@@ -22,15 +22,15 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import paddle
 from ppdiffusers.models.attention import BasicTransformerBlock, JointTransformerBlock
 
-from .calls import CALLS, drop_calls_if_alone, model_calls, refuse_if_running
+from ..core.calls import drop_calls_if_alone, model_calls, refuse_if_running
+from ..core.registry import LOCK, add_hook, hooks_of, remove_hook
+from ..ops.runtime import converting, device_kind, tracing
 from .checkpoint import RecomputePlans
 from .config import ToMeConfig, check_ratio, ratio_at
 from .decision import OFF, POOLED, SKIPPED, BlockDecision, Settings, block_levels, decide, grid_of
 from .hooks import TENSOR_TYPES, BlockHook, ModelHook, SublayerHook
 from .joint_attention import attention_core
-from .ops.runtime import converting, device_kind, tracing
 from .planner import Planner
-from .registry import LOCK, add_hook, hooks_of, remove_hook
 from .state import CallRecord, Counters, ToMeState, ToMeStaticGraphError, progress_of, refuse_conversion
 
 logger = logging.getLogger(__name__)

@@ -1,15 +1,15 @@
-"""ToMe's three hooks (see :mod:`ppdiffusers_tome.registry`): on the model, on each transformer block that can
+"""ToMe's three hooks (see :mod:`ppdiffusers_tome.core.registry`): on the model, on each transformer block that can
 merge, and on the sub-layers that run on merged tokens.
 
 * :class:`ModelHook` keeps the record of each call (latent size, timestep, kernel family, the ratio now, the call's
   step and site) for the blocks to read, and puts back the previous record when the call ends, however it ends.
 * :class:`BlockHook` asks its patch for the block's plan (a decision, then a plan; see
-  :mod:`~ppdiffusers_tome.decision` and :mod:`~ppdiffusers_tome.planner`) and holds it, for this thread, while the
+  :mod:`~ppdiffusers_tome.tome.decision` and :mod:`~ppdiffusers_tome.tome.planner`) and holds it, for this thread, while the
   block runs.
 * :class:`SublayerHook` merges the input of ``attn1`` (``attn2``/``ff``) with that plan, runs the sub-layer on the
   merged tokens and unmerges its output, so the block's residual add sees full-size tensors, exactly where tomesd
   merges; with ToDo (and the policy's pooling) it passes the downsampled tokens as the keys and values instead (on
-  SD3's joint attention, through :func:`~ppdiffusers_tome.joint_attention.downsampled_joint_attention`).
+  SD3's joint attention, through :func:`~ppdiffusers_tome.sd3_attention.downsampled_joint_attention`).
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from typing import Any, Tuple
 
 import paddle
 
+from ..core.registry import Hook
+from ..ops.downsample import DownsamplePlan
+from ..ops.runtime import begin_eager, end_eager
 from .joint_attention import downsampled_joint_attention
-from .ops.downsample import DownsamplePlan
-from .ops.runtime import begin_eager, end_eager
-from .registry import Hook
 
 __all__ = ["BlockHook", "ModelHook", "SublayerHook", "TENSOR_TYPES"]
 
@@ -41,7 +41,7 @@ TENSOR_TYPES = _tensor_types()
 
 
 class ModelHook(Hook):
-    """ToMe on the model: one :class:`~ppdiffusers_tome.state.CallRecord` per call, for this thread."""
+    """ToMe on the model: one :class:`~ppdiffusers_tome.tome.state.CallRecord` per call, for this thread."""
 
     def __init__(self, patch: Any) -> None:
         self.patch = patch

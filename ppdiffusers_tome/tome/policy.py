@@ -29,8 +29,8 @@ import numbers
 from dataclasses import fields
 from typing import Any
 
+from ..ops.runtime import KERNELS, device_kind, tracing
 from .config import ToMeConfig
-from .ops.runtime import KERNELS, device_kind, tracing
 
 __all__ = ["ASSUMED_BATCH", "JOINT_MIN_WORK", "MERGE_MIN_WORK", "POOL_MIN_RATIO", "POOL_MIN_WORK", "Decision", "Policy",
            "pools_by_default"]

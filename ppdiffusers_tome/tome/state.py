@@ -7,7 +7,7 @@ Two kinds of per-thread data, kept apart because they live for different lengths
   tables drawn for it, the plans shared between its blocks). The model hook makes one per call and puts back the
   previous one when the call ends, however it ends.
 * :class:`PlanCache`: the plans of earlier steps, by block (or level) and call site, for ``recompute_every``. Steps
-  and call sites come from the model's step clock (:mod:`ppdiffusers_tome.generation`): nothing is read from the
+  and call sites come from the model's step clock (:mod:`ppdiffusers_tome.core.generation`): nothing is read from the
   device to count them.
 
 Nothing here reads a tensor on the host unless a ratio schedule needs the denoising progress as a Python number.
@@ -23,7 +23,7 @@ from typing import Any, Dict, Optional, Tuple
 import numpy as np
 import paddle
 
-from .registry import StaticGraphError
+from ..core.registry import StaticGraphError
 
 __all__ = ["CallRecord", "Counters", "PlanCache", "ToMeState", "ToMeStaticGraphError", "refuse_conversion",
            "timestep_values"]
