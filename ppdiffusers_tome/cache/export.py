@@ -30,6 +30,7 @@ from typing import Any, Callable, Optional, Tuple
 import paddle
 from paddle.static import InputSpec
 
+from .kept import KeptStep, Site
 from .layout import TransformerLayout
 from .step_cache import CacheConfig, get_cache
 
@@ -47,6 +48,17 @@ class _Step(paddle.nn.Layer):
         if cache is None:
             raise ValueError(f"{type(unet).__name__} has no step cache: call apply_cache on it before building its "
                              "step programs")
+        config = cache.config
+        for name, value, what in (("threshold", config.threshold, "decides each step from a value read from the device"),
+                                  ("forecast", config.forecast, "extrapolates the kept feature in Python"),
+                                  ("whole_model", config.whole_model, "returns a kept output in place of the UNet's")):
+            if value:
+                raise ValueError(f"step programs run the fixed interval; {type(unet).__name__}'s step cache has "
+                                 f"{name}={value!r}, which {what}: apply the cache with {name} at its default "
+                                 f"({CacheConfig.__dataclass_fields__[name].default!r}) to export it")
+        if config.threshold == 0:
+            raise ValueError("step programs run the fixed interval; threshold=0 (every step full) is the vanilla "
+                             "forward: export the UNet without the cache")
         if getattr(unet, "up_blocks", None) is None:
             what = ("is a transformer-only model, whose step cache runs eagerly only: export it without the cache "
                     "(remove_cache; ToMe alone exports)" if isinstance(cache.layout, TransformerLayout)
@@ -69,14 +81,17 @@ class _Step(paddle.nn.Layer):
             added = {"text_embeds": text_embeds, "time_ids": time_ids}
         state = self._cache.thread_state()
         state.program = self.full_step
-        state.kept = {} if feature is None else {0: {self._live: feature}}
+        state.sites = {}
+        if feature is not None:
+            site = state.sites[0] = Site()
+            site.kept = KeptStep(outputs={self._live: feature})
         try:
             outputs = self.unet(sample, timestep, encoder_hidden_states, added_cond_kwargs=added, return_dict=False)
-            kept = state.pending.get(self._live)
+            kept = state.pending.outputs.get(self._live) if state.pending is not None else None
             if isinstance(kept, (tuple, list)):  # a transformer layer's 1-tuple
                 kept = kept[0]
         finally:
-            state.program, state.kept, state.pending = None, {}, {}
+            state.program, state.sites, state.state, state.pending = None, {}, None, None
         return outputs, kept
 
 

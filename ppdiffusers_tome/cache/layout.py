@@ -25,7 +25,7 @@ import paddle
 from ..core.registry import Hook
 from ..core.targets import fused_sd3_reason, is_fused_sd3
 
-__all__ = ["AUTO", "Layout", "TransformerLayout", "UNetLayout", "layout_of"]
+__all__ = ["AUTO", "CacheLayout", "Layout", "TransformerLayout", "UNetLayout", "layout_of"]
 
 AUTO = "auto"  # the default of ``layers``: DeepCache's finest branch on UNets and ControlNets at depth 1
 
@@ -36,9 +36,11 @@ def _first_tensor(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
     return args[0] if args else kwargs.get("hidden_states", kwargs.get("sample"))
 
 
-class Layout:
+class CacheLayout:
     """The deep parts of one model (``deep``: ``(name, layer)`` in call order) and the hooks that keep them;
-    ``layers``: the layers of the last up block a cached step runs (``None``: the whole first levels)."""
+    ``layers``: the layers of the last up block a cached step runs (``None``: the whole first levels). (Named
+    ``Layout`` until 0.14; that name stays an alias for one release. ``ppdiffusers_tome.ops.partition.Layout`` is
+    the merge core's token grid, another thing.)"""
 
     deep: Parts
     layers: Optional[int] = None
@@ -51,13 +53,17 @@ class Layout:
         return self.deep
 
 
+Layout = CacheLayout  # 0.14's name, kept for one release
+
+
 class _KeptOutput(Hook):
     """A deep part of a UNet: on a full step it runs and its output is kept; on a cached step it returns its kept
-    output. The first deep part a call reaches checks that the input has the kept step's shape (else the call runs
-    in full)."""
+    output (with ``forecast="linear"``, the last deep part, the one the layers that run read, its forecast). The
+    first deep part a call reaches settles the step's kind (:meth:`StepCache.arrive`: the input's shape, and the
+    adaptive rule on its input)."""
 
-    def __init__(self, cache: Any, name: str, first: bool) -> None:
-        self.cache, self.name, self.first = cache, name, first
+    def __init__(self, cache: Any, name: str, first: bool, read: bool = False) -> None:
+        self.cache, self.name, self.first, self.read = cache, name, first, read
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         step = self.cache.step
@@ -65,20 +71,21 @@ class _KeptOutput(Hook):
         if mode is None:  # outside the model's forward, or with gradients on
             return self.next(*args, **kwargs)
         if self.first and step.program is None:
-            shape = tuple(_first_tensor(args, kwargs).shape)
-            if mode == "cached" and shape != step.kept[step.site].get("__shape__"):
-                step.mode = mode = "full"  # another size or batch than the kept step: compute it all
-                self.cache.fallbacks += 1
-            if mode == "full":
-                step.pending["__shape__"] = shape
+            hidden = _first_tensor(args, kwargs)
+            mode = self.cache.arrive(step, step.state, tuple(hidden.shape), hidden, mode)
         if mode == "cached":
-            kept = step.kept.get(step.site, {})
+            site = step.state
+            kept = site.kept.outputs if site is not None and site.kept is not None else {}
             if self.name in kept:
                 value = kept[self.name]
-                return _structured(value, kwargs) if step.program is not None else value
+                if step.program is not None:
+                    return _structured(value, kwargs)
+                if self.read and site.earlier is not None:
+                    value = self.cache.work(site, step.index, value, site.earlier.outputs.get(self.name))
+                return value
             return self._stand_in(args, kwargs)
         output = self.next(*args, **kwargs)
-        step.pending[self.name] = output
+        step.pending.outputs[self.name] = output
         return output
 
     def _stand_in(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
@@ -111,7 +118,7 @@ def _pairs(block: paddle.nn.Layer, prefix: str) -> List[Parts]:
     return layers
 
 
-class UNetLayout(Layout):
+class UNetLayout(CacheLayout):
     """The deep parts of a UNet or ControlNet (see the module docstring)."""
 
     def __init__(self, model: paddle.nn.Layer, depth: int, layers: Optional[int]):
@@ -133,9 +140,13 @@ class UNetLayout(Layout):
                 pairs = _pairs(up[last], f"up_blocks.{last}")
                 deep += [part for pair in pairs[: len(pairs) - layers] for part in pair]
         self.deep = deep
+        self.reads_last = up is not None
 
     def hooks(self, cache: Any) -> List[Tuple[Hook, paddle.nn.Layer]]:
-        return [(_KeptOutput(cache, name, first=i == 0), layer) for i, (name, layer) in enumerate(self.deep)]
+        last = len(self.deep) - 1
+        read = self.reads_last  # the last deep part's output is read by the layers that run (not in a ControlNet)
+        return [(_KeptOutput(cache, name, first=i == 0, read=read and i == last), layer)
+                for i, (name, layer) in enumerate(self.deep)]
 
 
 def _paired(block: paddle.nn.Layer) -> bool:
@@ -200,28 +211,26 @@ class _Segment(Hook):
             return self.next(*args, **kwargs)
         streams = self._streams(args, kwargs)
         if self.first and step.program is None:
-            shape = tuple(streams[0].shape)
-            if mode == "cached" and shape != step.kept[step.site].get("__shape__"):
-                step.mode = mode = "full"
-                self.cache.fallbacks += 1
-            if mode == "full":
-                step.pending["__shape__"] = shape
+            mode = self.cache.arrive(step, step.state, tuple(streams[0].shape), streams[0], mode)
         if mode == "cached":
             if not self.first:
                 return self._output(streams)
-            delta = step.kept[step.site]["__delta__"]
+            site = step.state
+            earlier = site.earlier.delta if site.earlier is not None else None
+            delta = self.cache.work(site, step.index, site.kept.delta, earlier)
             return self._output(tuple(x + d if d is not None else x for x, d in zip(streams, delta)))
+        pending = step.pending
         if self.first:
-            step.pending["__input__"] = streams
+            pending.streams = streams
         output = self.next(*args, **kwargs)
         if self.last:
             out = (output[1], output[0]) if self.joint else (output,)
-            start = step.pending.pop("__input__")
-            step.pending["__delta__"] = tuple(None if o is None or s is None else o - s for o, s in zip(out, start))
+            start, pending.streams = pending.streams, None
+            pending.delta = tuple(None if o is None or s is None else o - s for o, s in zip(out, start))
         return output
 
 
-class TransformerLayout(Layout):
+class TransformerLayout(CacheLayout):
     """The cached segment of a transformer-only model (see the module docstring)."""
 
     def __init__(self, model: paddle.nn.Layer, depth: int):
@@ -245,7 +254,7 @@ def _is_transformer(model: Any) -> bool:
     return isinstance(blocks, paddle.nn.LayerList) and len(blocks) >= 3 and getattr(model, "down_blocks", None) is None
 
 
-def layout_of(model: Any, config: Any, name: Optional[str] = None) -> Optional[Layout]:
+def layout_of(model: Any, config: Any, name: Optional[str] = None) -> Optional[CacheLayout]:
     """The layout of ``model`` for ``config`` (a :class:`~ppdiffusers_tome.cache.step_cache.CacheConfig`). With
     ``config=None``: whether a step cache can go on ``model`` at all (a layout at the defaults, or None). With a
     config, a model that has no such structure, or settings it cannot take, raise ``ValueError`` naming the

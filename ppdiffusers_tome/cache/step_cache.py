@@ -22,7 +22,11 @@ Steps are the pipeline's denoising steps and each call site of a step (split gui
 own features (:mod:`ppdiffusers_tome.core.generation`): every pipeline call that reaches a cached model starts at step 0,
 whatever pipeline object made it. A model called outside a pipeline counts its calls from :func:`apply_cache` or
 :func:`reset_cache`. With gradients on (training, guidance by gradients) every call is full and nothing is kept.
-Nothing is read from the device: which steps are full is decided by Python counters.
+With the fixed interval nothing is read from the device: which steps are full is decided by Python counters; the
+adaptive rule (``threshold=``, :mod:`ppdiffusers_tome.cache.adaptive`) reads one scalar per call.
+
+**The whole-model cache** (``whole_model=True``, :mod:`ppdiffusers_tome.cache.whole_model`) skips whole calls of a
+denoiser, for models whose blocks cannot be reached (SD3 built with ``INFERENCE_OPTIMIZE=True``).
 """
 
 from __future__ import annotations
@@ -34,12 +38,16 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 
 import paddle
 
+from ..core import generation
 from ..core.calls import drop_calls_if_alone, model_calls, refuse_if_running
 from ..core.registry import LOCK, Hook, StaticGraphError, add_hook, hooks_of, remove_hook
 from ..core.targets import fused_sd3_reason, is_fused_sd3, pipeline_candidates, resolve
-from ..core.validation import as_choice, is_int, shown
+from ..core.validation import as_bool, as_choice, is_int, shown
 from ..ops.runtime import converting
-from .layout import AUTO, Layout, TransformerLayout, layout_of
+from .adaptive import check_forecast, check_max_skips, check_threshold, decide, extrapolate, relative_change
+from .kept import KeptStep, Site
+from .layout import AUTO, CacheLayout, TransformerLayout, layout_of
+from .whole_model import WholeModelHook, WholeModelLayout, is_controlnet, takes_latents
 
 __all__ = ["CacheConfig", "StepCache", "StepCacheError", "apply_cache", "cache_status", "get_cache", "remove_cache",
            "reset_cache"]
@@ -72,6 +80,18 @@ class CacheConfig:
         stop: steps from ``stop`` on are all full (``None``: to the end; else ``int > start``).
         full_steps: the 0-based steps that are full, e.g. ``(0, 1, 2, 4, 7, 11)`` to spend full steps early; when
             given, ``interval`` is not used (``start``/``stop`` still are). Step 0 is always full.
+        threshold: ``None`` (the default) keeps the fixed interval; a number ``>= 0`` switches to the adaptive rule
+            (:mod:`~ppdiffusers_tome.cache.adaptive`): a step runs in full when the relative change of the deep
+            part's input, summed over the steps since the last full one, reaches ``threshold`` (``0``: every step
+            full, the vanilla forward; :data:`~ppdiffusers_tome.cache.adaptive.DEFAULT_THRESHOLD` = 0.15 is the
+            suggested value). ``interval`` is then not used; ``start``, ``stop`` and ``full_steps`` still protect
+            their steps, and so is the last step of a pipeline's loop.
+        max_skips: with ``threshold``: at most this many cached steps in a row (``None``: no cap; else ``int >= 1``).
+        forecast: ``None`` (reuse the last full step's work as it is) or ``"linear"`` (extrapolate it from the last
+            two full steps, first order in the step index).
+        whole_model: ``True`` caches whole calls of the model (its output residual), for models whose blocks cannot
+            be reached, such as SD3 built with ``INFERENCE_OPTIMIZE=True`` (:mod:`~ppdiffusers_tome.cache.whole_model`);
+            ``depth`` and ``layers`` then do not apply.
 
     Integers may be Python or numpy integers.
 
@@ -88,6 +108,10 @@ class CacheConfig:
     start: int = 0
     stop: Optional[int] = None
     full_steps: Optional[Tuple[int, ...]] = None
+    threshold: Optional[float] = None
+    max_skips: Optional[int] = None
+    forecast: Optional[str] = None
+    whole_model: bool = False
 
     def __post_init__(self) -> None:
         store = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 - frozen dataclass
@@ -121,14 +145,44 @@ class CacheConfig:
                 raise ValueError("full_steps must be None or a non-empty list, tuple or range of integers >= 0 (the "
                                  f"0-based full steps); got {steps!r}")
             store("full_steps", tuple(sorted({int(s) for s in steps} | {0})))
+        self._check_rule(store)
+
+    def _check_rule(self, store: Any) -> None:
+        """The adaptive rule's and the whole-model cache's options (``threshold``, ``max_skips``, ``forecast``,
+        ``whole_model``)."""
+        store("threshold", check_threshold(self.threshold))
+        store("max_skips", check_max_skips(self.max_skips, self.threshold))
+        store("forecast", check_forecast(self.forecast))
+        whole = as_bool(self.whole_model)
+        if whole is None:
+            raise ValueError(f"whole_model must be True (cache whole calls of the model) or False; got "
+                             f"{shown(self.whole_model)}")
+        store("whole_model", whole)
+        if whole and (self.depth != 1 or self.layers not in (AUTO, None)):
+            name, value = ("depth", self.depth) if self.depth != 1 else ("layers", self.layers)
+            raise ValueError(f"{name}={value!r} chooses the parts of a model a cached step runs; whole_model=True "
+                             f"runs none of it: leave {name} at its default")
 
     def is_full(self, step: int) -> bool:
-        """Whether 0-based ``step`` of a generation runs the whole model."""
+        """Whether 0-based ``step`` of a generation runs the whole model under the fixed interval (with
+        ``threshold`` the rule decides the steps that :meth:`protects` leaves to it)."""
         if step <= self.start or (self.stop is not None and step >= self.stop):
             return True
         if self.full_steps is not None:
             return step in self.full_steps
         return (step - self.start) % self.interval == 0
+
+    def protects(self, step: int, last: Optional[int] = None) -> bool:
+        """Whether ``step`` is full whatever the adaptive rule says: up to ``start``, from ``stop`` on, the steps of
+        ``full_steps``, and the ``last`` step of the generation (None: not known, outside a pipeline).
+
+        >>> config = CacheConfig(threshold=0.15, start=1)
+        >>> [step for step in range(6) if config.protects(step, last=5)]
+        [0, 1, 5]
+        """
+        if step <= self.start or (self.stop is not None and step >= self.stop) or (last is not None and step >= last):
+            return True
+        return self.full_steps is not None and step in self.full_steps
 
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)
@@ -136,26 +190,33 @@ class CacheConfig:
 
 class _Step(threading.local):
     """This thread's call of the model in flight: what the deep parts do (``mode``: None outside a call or with
-    gradients on, else ``"full"`` or ``"cached"``), and what is kept, per call site."""
+    gradients on, else ``"full"``, ``"cached"``, or ``"decide"`` until the adaptive rule has decided at the first
+    deep part), the call's step ``index``, its call ``site`` and that site's :class:`~.kept.Site` (``state``), and
+    what a full step records while it runs (``pending``, a :class:`~.kept.KeptStep`)."""
 
     mode: Optional[str] = None
     site = 0
+    index = 0
     program: Optional[bool] = None  # set by a StepProgram: the kind of step it fixes (True = full)
 
     def __init__(self) -> None:
-        self.kept: Dict[int, Dict[str, Any]] = {}  # call site -> the deep parts' kept outputs (and "__shape__")
-        self.pending: Dict[str, Any] = {}  # what a full step records while it runs
+        self.sites: Dict[int, Site] = {}  # call site -> what it remembers
+        self.state: Optional[Site] = None
+        self.pending: Optional[KeptStep] = None
 
 
 class StepCache:
-    """The step cache of one model: its settings, its layout (the deep parts), the per-thread step and counters.
-    Made by :func:`apply_cache`; :meth:`remove` takes its hooks off."""
+    """The step cache of one model: its settings, its layout (the deep parts), the per-thread step and counters,
+    and the bookkeeping every call of its hooks shares (:meth:`begin`, :meth:`arrive`, :meth:`finish`). Made by
+    :func:`apply_cache`; :meth:`remove` takes its hooks off."""
 
-    def __init__(self, model: paddle.nn.Layer, config: CacheConfig, layout: Layout):
+    def __init__(self, model: paddle.nn.Layer, config: CacheConfig, layout: CacheLayout):
         self.model, self.config, self.layout = model, config, layout
         self.deep = layout.deep  # (name, layer) of the deep parts, in call order
+        self.threshold, self.max_skips, self.forecast = config.threshold, config.max_skips, config.forecast
         self.step = _Step()
         self.calls = self.full_calls = self.cached_calls = self.fallbacks = self.grad_calls = 0
+        self.recent: Tuple[List[int], List[int]] = ([], [])  # site 0's full and cached steps of the latest generation
 
     def thread_state(self) -> _Step:
         return self.step
@@ -164,7 +225,8 @@ class StepCache:
     def install(self) -> None:
         calls = model_calls(self.model, create=True)
         calls.use_clock(NAME)
-        add_hook(self.model, NAME, _ModelHook(self), outer=False)
+        whole = isinstance(self.layout, WholeModelLayout)
+        add_hook(self.model, NAME, WholeModelHook(self) if whole else _ModelHook(self), outer=False)
         for hook, layer in self.layout.hooks(self):
             add_hook(layer, NAME, hook)
 
@@ -179,15 +241,17 @@ class StepCache:
 
     def reset(self) -> None:
         """The next call of the model (outside a pipeline: of any thread) is step 0, with nothing kept."""
-        self.step.kept = {}
+        self.step.sites = {}
         calls = model_calls(self.model)
         if calls is not None:
             calls.reset_clock()
 
     def status(self) -> Dict[str, Any]:
         return {"settings": self.config.to_dict(), "layers": self.layout.layers, "deep_blocks": len(self.deep),
+                "rule": "interval" if self.threshold is None else "adaptive", "threshold": self.threshold,
                 "calls": self.calls, "full_calls": self.full_calls, "cached_calls": self.cached_calls,
-                "fallbacks": self.fallbacks, "grad_calls": self.grad_calls}
+                "fallbacks": self.fallbacks, "grad_calls": self.grad_calls,
+                "last_full_steps": list(self.recent[0]), "last_cached_steps": list(self.recent[1])}
 
     def __getstate__(self) -> Dict[str, Any]:
         state = dict(self.__dict__)
@@ -198,9 +262,98 @@ class StepCache:
         self.__dict__.update(state)
         self.step = _Step()
 
+    # one call ----------------------------------------------------------------------------------------------------
+    def refuse_conversion(self) -> None:
+        if converting():
+            raise StepCacheError(_static_refusal(self))
+
+    def begin(self, step: _Step) -> Optional[Tuple[int, Site, str]]:
+        """The start of a call: ``(step index, the call site's Site, mode)``, with ``step.mode`` set; None with
+        gradients on (a plain call, counted in ``grad_calls``)."""
+        index, site_id, fresh = model_calls(self.model).position
+        if fresh:
+            step.sites = {}
+            if site_id == 0:
+                self.recent = ([], [])
+        if paddle.is_grad_enabled():
+            self.grad_calls += 1
+            return None
+        site = step.sites.get(site_id)
+        if site is None:
+            site = step.sites[site_id] = Site()
+        step.site, step.state, step.index, step.pending = site_id, site, index, None
+        step.mode = mode = self._mode(index, site)
+        return index, site, mode
+
+    def _mode(self, index: int, site: Site) -> str:
+        """The kind of step a call starts as: ``"full"``, ``"cached"``, or ``"decide"`` (the adaptive rule decides
+        at the first deep part)."""
+        if site.kept is None:
+            return "full"
+        if self.threshold is None:
+            return "full" if self.config.is_full(index) else "cached"
+        if self.threshold == 0 or (self.max_skips is not None and site.skips >= self.max_skips):
+            return "full"
+        current = generation.current()
+        last = current.total - 1 if current is not None and current.total else None
+        return "full" if self.config.protects(index, last) else "decide"
+
+    def arrive(self, step: _Step, site: Site, shape: Any, signal: Any, mode: str) -> str:
+        """At the first deep part (the whole model: at the call): the step's final kind. A step whose ``shape``
+        differs from the kept step's runs in full (counted in ``fallbacks``); the adaptive rule reads the change of
+        ``signal`` since the site's previous call (the one device read) and decides a ``"decide"`` step."""
+        if mode != "full" and shape != site.kept.shape:
+            mode = "full"
+            self.fallbacks += 1
+        if self.threshold is not None:
+            previous, site.signal = site.signal, signal
+            if mode == "decide" and previous is not None and previous.shape == signal.shape:
+                change = float(relative_change(signal, previous))  # the one scalar read to the host per call
+                full, site.accumulated, site.skips = decide(site.accumulated, change, site.skips, self.threshold,
+                                                            self.max_skips)
+                mode = "full" if full else "cached"
+            elif mode != "cached":
+                mode, site.accumulated, site.skips = "full", 0.0, 0
+        if mode == "full":
+            step.pending = KeptStep(step.index, shape)
+        step.mode = mode
+        return mode
+
+    def work(self, site: Site, index: int, last: Any, earlier: Any) -> Any:
+        """The kept work ``last`` of the site's last full step for step ``index``: as it is, or with
+        ``forecast="linear"`` extrapolated from it and ``earlier`` (the same work at the full step before)."""
+        if self.forecast is None or site.earlier is None:
+            return last
+        return extrapolate(last, earlier, site.kept.step, site.earlier.step, index)
+
+    def finish(self, step: _Step, site: Site, index: int, mode: Optional[str]) -> None:
+        """The end of a call that returned: the counters, and what a full one made kept for its site (when a
+        later step can use it)."""
+        self.calls += 1
+        if step.site == 0:
+            self.recent[mode == "cached"].append(index)
+        if mode == "cached":
+            self.cached_calls += 1
+            return
+        self.full_calls += 1
+        pending, step.pending = step.pending, None
+        if pending is None or (self.threshold is None and self.forecast is None and self.config.is_full(index + 1)):
+            step.sites.pop(step.site, None)  # nothing the next step can use
+            return
+        earlier = site.kept
+        site.earlier = earlier if self.forecast is not None and earlier is not None and \
+            earlier.shape == pending.shape else None
+        site.kept = pending
+
+    def failed(self, step: _Step) -> None:
+        """A call that raised or was interrupted leaves nothing for its site's next call."""
+        step.mode, step.pending = None, None
+        step.sites.pop(step.site, None)
+
 
 class _ModelHook(Hook):
-    """The step cache on the model: decides whether this call is full or cached and keeps what a full one made."""
+    """The step cache on the model: starts each call's step (:meth:`StepCache.begin`), runs it, and keeps what a
+    full one made (:meth:`StepCache.finish`); the deep parts' hooks do the rest."""
 
     def __init__(self, cache: StepCache) -> None:
         self.cache = cache
@@ -210,45 +363,28 @@ class _ModelHook(Hook):
         step = cache.step
         if step.program is not None:  # a StepProgram fixes the kind of step and supplies the kept features
             return self._program(step, args, kwargs)
-        if converting():
-            raise StepCacheError(_static_refusal(cache))
+        cache.refuse_conversion()
         if step.mode is not None:  # the model called inside its own forward: that inner call is plain
             return self.next(*args, **kwargs)
-        position, config = model_calls(cache.model).position, cache.config
-        index, site, fresh = position
-        if fresh:
-            step.kept = {}
-        if paddle.is_grad_enabled():
-            cache.grad_calls += 1
+        begun = cache.begin(step)
+        if begun is None:
             return self.next(*args, **kwargs)
-        kept = step.kept.get(site)
-        full = kept is None or config.is_full(index)
-        step.mode, step.site, step.pending = ("full" if full else "cached"), site, {}
+        index, site, _ = begun
         try:
             output = self.next(*args, **kwargs)
         except BaseException:
-            step.kept.pop(site, None)  # a failed or interrupted call leaves nothing for the next one
+            cache.failed(step)  # a failed or interrupted call leaves nothing for the next one
             raise
-        finally:
-            mode, step.mode = step.mode, None
-        cache.calls += 1
-        if mode == "full":
-            cache.full_calls += 1
-            keep = not config.is_full(index + 1)  # only when the next step can use them
-            if keep:
-                step.kept[site] = step.pending
-            else:
-                step.kept.pop(site, None)
-        else:
-            cache.cached_calls += 1
-        step.pending = {}
+        mode, step.mode = step.mode, None
+        cache.finish(step, site, index, mode)
         return output
 
     def _program(self, step: _Step, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         """A call made by a step program: its kind and kept features are the program's; what a full one records
         stays in ``step.pending`` for the program to return."""
         step.mode = "full" if step.program else "cached"
-        step.site, step.pending = 0, {}
+        step.site, step.pending = 0, KeptStep()
+        step.state = step.sites.get(0)
         try:
             return self.next(*args, **kwargs)
         finally:
@@ -257,7 +393,16 @@ class _ModelHook(Hook):
 
 def _static_refusal(cache: StepCache) -> str:
     """Why a model with a step cache cannot be converted to a static graph, and what to do instead."""
+    config = cache.config
+    if config.threshold is not None:
+        return (f"the step cache's adaptive rule (threshold={config.threshold}) decides every step on the host from a "
+                "value read from the device, which a static graph cannot do: remove the cache (remove_cache) before "
+                "paddle.jit.to_static, or export a UNet's fixed interval (threshold=None) as step programs "
+                "(ppdiffusers_tome.cache.export.StepPrograms)")
     kept = "the step cache keeps deep features between calls in Python, which a static graph cannot hold: "
+    if config.whole_model:
+        return kept + (f"the whole-model cache of {type(cache.model).__name__} (whole_model=True) returns a kept output "
+                       "in place of the model's; remove it (remove_cache) before paddle.jit.to_static")
     if isinstance(cache.layout, TransformerLayout):
         return kept + (f"{type(cache.model).__name__} is a transformer-only model, whose step cache has no step "
                        "programs (they are built for UNets); remove it (remove_cache) before paddle.jit.to_static "
@@ -271,30 +416,51 @@ def get_cache(model: Any) -> Optional[StepCache]:
     """The :class:`StepCache` on ``model``, or None."""
     registry = hooks_of(model)
     hook = registry.get(NAME) if registry is not None else None
-    return hook.cache if isinstance(hook, _ModelHook) else None
+    return hook.cache if isinstance(hook, (_ModelHook, WholeModelHook)) else None
 
 
 def _cacheable(model: paddle.nn.Layer) -> bool:
-    return layout_of(model, None) is not None
+    return layout_of(model, None) is not None or get_cache(model) is not None
 
 
-def _models(obj: Any, for_apply: bool) -> List[Tuple[str, paddle.nn.Layer]]:
-    """The UNet, ControlNets or transformer a step cache goes on inside ``obj``."""
-    pipeline, models = resolve(obj, "apply_cache/remove_cache", _cacheable)
+def _denoiser(model: paddle.nn.Layer) -> bool:
+    """What ``whole_model=True`` goes on inside a pipeline: its UNet or transformer, fused (INFERENCE_OPTIMIZE) or
+    not; never a ControlNet."""
+    return (layout_of(model, None) is not None or is_fused_sd3(model)) and not is_controlnet(model) and \
+        takes_latents(model)
+
+
+def _models(obj: Any, for_apply: bool, whole: bool = False) -> List[Tuple[str, paddle.nn.Layer]]:
+    """The UNet, ControlNets or transformer a step cache goes on inside ``obj`` (``whole``: the denoiser a
+    whole-model cache goes on)."""
+    pipeline, models = resolve(obj, "apply_cache/remove_cache", _denoiser if whole else _cacheable)
     if for_apply and pipeline is not None and not models:
         fused = [name for name, model in pipeline_candidates(pipeline) if is_fused_sd3(model)]
         if fused:
-            raise ValueError(fused_sd3_reason(f"{type(pipeline).__name__}.{fused[0]}", "the step cache"))
+            raise ValueError(fused_sd3_reason(f"{type(pipeline).__name__}.{fused[0]}", "the step cache") +
+                             "; or cache whole calls of it: apply_cache(pipe, whole_model=True)")
         raise ValueError(f"apply_cache needs a pipeline with a UNet, a ControlNet or a transformer-only model (SD3, "
                          f"DiT, PixArt-alpha); {type(pipeline).__name__} has none")
     return models
+
+
+def _layout(model: paddle.nn.Layer, config: "CacheConfig", name: str) -> CacheLayout:
+    if config.whole_model:
+        return WholeModelLayout(model, name)
+    if is_fused_sd3(model):
+        raise ValueError(fused_sd3_reason(name, "the step cache") + "; or cache whole calls of it: apply_cache(..., "
+                         "whole_model=True)")
+    return layout_of(model, config, name)
 
 
 def apply_cache(obj: Any, config: Optional[CacheConfig] = None, **options: Any) -> Any:
     """Put a step cache on a pipeline (its UNet and ControlNets, or its SD3 / DiT / PixArt-alpha transformer), on a
     model, a MultiControlNet or a list of them; returns ``obj``. ``config`` is a :class:`CacheConfig` (e.g.
     ``CacheConfig(interval=3)``), ``options`` its fields by name (``interval=3, depth=1, layers="auto", start=0,
-    stop=None, full_steps=None``); options given with a config replace those fields of it. Applying again replaces
+    stop=None, full_steps=None, threshold=None, max_skips=None, forecast=None, whole_model=False``); options given
+    with a config replace those fields of it. ``threshold=0.15`` switches from the fixed interval to the adaptive
+    rule; ``whole_model=True`` caches whole calls of the denoiser (the only cache an SD3 built with
+    ``INFERENCE_OPTIMIZE=True`` takes). Applying again replaces
     the settings; :func:`remove_cache` takes it off. Bad settings raise ``ValueError`` naming the argument before
     anything changes. For inference: the kept features are the tensors of the last full step.
 
@@ -314,12 +480,13 @@ def apply_cache(obj: Any, config: Optional[CacheConfig] = None, **options: Any) 
         raise ValueError(f"apply_cache got unknown option(s) {', '.join(unknown)}; the options are "
                          f"{', '.join(CONFIG_FIELDS)}")
     config = replace(config, **options) if config is not None else CacheConfig(**options)
-    models = _models(obj, for_apply=True)
-    layouts = [layout_of(model, config, name) for name, model in models]  # every check before any change
+    models = _models(obj, for_apply=True, whole=config.whole_model)
+    layouts = [_layout(model, config, name) for name, model in models]  # every check before any change
+    cached = models if not config.whole_model else _models(obj, for_apply=False)  # (a pipeline's ControlNets too)
     with LOCK:
-        for name, model in models:
+        for name, model in cached + models:
             refuse_if_running(model, name, "the step cache")
-        for _, model in models:
+        for _, model in cached + models:
             _remove_from(model)
         for (_, model), layout in zip(models, layouts):
             StepCache(model, config, layout).install()
@@ -374,7 +541,9 @@ def cache_status(obj: Any) -> Dict[str, Optional[Dict[str, Any]]]:
     of ``deep_blocks``, the ``layers`` in effect (``layers="auto"`` resolved: an int, or None for whole levels) and
     the counters ``calls``, ``full_calls``, ``cached_calls``, ``fallbacks`` (cached steps
     computed in full because the input's shape differed from the kept step's) and ``grad_calls`` (calls with
-    gradients on, always full).
+    gradients on, always full); the ``rule`` (``"interval"`` or ``"adaptive"``) and the ``threshold`` in effect
+    (None with the interval); ``last_full_steps`` and ``last_cached_steps``, the 0-based steps of the latest
+    generation's first call site that ran in full and cached.
 
     >>> from ppdiffusers_tome.testing import tiny_unet
     >>> cache_status(tiny_unet())

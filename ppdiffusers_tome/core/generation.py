@@ -41,13 +41,16 @@ def current() -> Optional[Generation]:
 
 
 class Generation:
-    """One denoising loop in one thread: ``steps`` is the number of denoising steps the pipeline has finished."""
+    """One denoising loop in one thread: ``steps`` is the number of denoising steps the pipeline has finished,
+    ``total`` the number its progress bar was given (``total=``, or the length of the timesteps it iterates; None
+    when it has none), so the last step is ``total - 1``."""
 
-    __slots__ = ("steps", "outer")
+    __slots__ = ("steps", "outer", "total")
 
-    def __init__(self, outer: Optional["Generation"]) -> None:
+    def __init__(self, outer: Optional["Generation"], total: Optional[int] = None) -> None:
         self.steps = 0
         self.outer = outer  # the generation this one is nested in (a pipeline called inside another's loop)
+        self.total = total
 
     def end(self) -> None:
         """The loop is over: the thread goes back to the generation around it (usually none)."""
@@ -92,8 +95,18 @@ class _Bar:
         return getattr(self.bar, name)
 
 
+def _length(iterable: Any, total: Any) -> Optional[int]:
+    """The number of steps a progress bar was given: ``total``, or the length of ``iterable``; None if neither."""
+    if isinstance(total, int) and not isinstance(total, bool) and total > 0:
+        return total
+    try:
+        return len(iterable) if iterable is not None else None
+    except TypeError:
+        return None
+
+
 def _progress_bar(self: Any, iterable: Any = None, total: Any = None) -> Any:
-    generation = Generation(THREAD.generation)
+    generation = Generation(THREAD.generation, _length(iterable, total))
     THREAD.generation = generation
     bar = _original(self, iterable=iterable, total=total)
     if iterable is not None:
