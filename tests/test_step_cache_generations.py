@@ -155,7 +155,8 @@ def test_numpy_integers_are_accepted_as_plain_values():
     unet = tiny_unet().apply_cache(interval=np.int64(3), depth=np.int32(1), start=np.int8(0), stop=np.uint16(9),
                                    full_steps=[np.int64(2)])
     settings = ppdiffusers_tome.cache_status(unet)["UNet2DConditionModel"]["settings"]
-    assert settings == {"interval": 3, "depth": 1, "layers": "auto", "start": 0, "stop": 9, "full_steps": (0, 2)}
+    assert settings == {"interval": 3, "depth": 1, "layers": "auto", "start": 0, "stop": 9, "full_steps": (0, 2),
+                        "threshold": None, "max_skips": None, "forecast": None, "whole_model": False}
     assert all(type(value) is int for value in (settings["interval"], settings["stop"], *settings["full_steps"]))
 
 

@@ -420,7 +420,8 @@ def get_cache(model: Any) -> Optional[StepCache]:
 
 
 def _cacheable(model: paddle.nn.Layer) -> bool:
-    return layout_of(model, None) is not None or get_cache(model) is not None
+    """Whether a step cache can go on ``model`` (a fused SD3 takes only the whole-model cache) or is on it."""
+    return layout_of(model, None) is not None or get_cache(model) is not None or is_fused_sd3(model)
 
 
 def _denoiser(model: paddle.nn.Layer) -> bool:
