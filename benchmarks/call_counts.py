@@ -10,6 +10,7 @@ channels, batch 2:
 
 Configurations: ToMe with every block skipped (the GPU policy at 512 px with one image, GPU kernels forced), ToMe's
 defaults on CPU kernels (5 blocks merge), the step cache at interval 1 and at interval 3 (a full and a cached call),
+its adaptive rule (a call the rule caches, and one it runs in full: each pays the rule's signal and its one read),
 and ToMe + cache. Prints a table and writes JSON:
 
     bash run.sh python benchmarks/call_counts.py --output outputs/call_counts.json
@@ -35,6 +36,10 @@ from ppdiffusers_tome.testing import gpu_kernels, tiny_unet  # noqa: E402
 PACKAGE = os.path.dirname(os.path.abspath(ppdiffusers_tome.__file__))
 # the bounds the package keeps (tests/test_call_counts.py checks them): package calls per UNet call
 BOUNDS = {"tome, every block skipped": 60, "tome, defaults (5 blocks merge)": 250, "cache, interval 1": 70}
+# what the adaptive rule may add over the fixed interval, in package calls per UNet call: (adaptive row, interval row)
+ADAPTIVE_BOUND = 15
+ADAPTIVE_PAIRS = {"cache, adaptive, cached call": "cache, interval 3, cached call",
+                  "cache, adaptive, full call": "cache, interval 3, full call"}
 
 
 def sd15_layout_unet():
@@ -94,7 +99,12 @@ CONFIGS = [
     ("cache, interval 3, full call", None, dict(interval=3), False, 0),
     ("cache, interval 3, cached call", None, dict(interval=3), False, 1),
     ("tome + cache 3, cached call", {}, dict(interval=3), False, 1),
+    # step 1 of a generation: the rule reads the signal's change and caches (a huge threshold) or runs in full (a tiny
+    # one; not threshold=0, which runs every step in full without reading anything)
+    ("cache, adaptive, cached call", None, dict(threshold=1e9), False, 1),
+    ("cache, adaptive, full call", None, dict(threshold=1e-9), False, 1),
 ]
+MOVED = {"cache, adaptive, full call"}  # configurations whose counted call gets other latents than the call before
 
 
 def measure(side: int = 16) -> List[Dict[str, Any]]:
@@ -106,12 +116,15 @@ def measure(side: int = 16) -> List[Dict[str, Any]]:
             ppdiffusers_tome.reset_cache(unet)
             for _ in range(before):
                 unet(*inputs)
-            counts = count_calls(lambda: unet(*inputs))
+            counted = (inputs[0] * 1.01, *inputs[1:]) if name in MOVED else inputs
+            counts = count_calls(lambda: unet(*counted))
             status = ppdiffusers_tome.tome_stats(unet)  # (of the last call; taken before the patch comes off)
+            cache_counts = ppdiffusers_tome.cache_status(unet)["UNet2DConditionModel"]
         if vanilla is None:
             vanilla = counts["all"]
         rows.append({"configuration": name, "package": counts["package"], "all": counts["all"],
-                     "added": counts["all"] - vanilla, "bound": BOUNDS.get(name), **({"stats": status} if status else {})})
+                     "added": counts["all"] - vanilla, "bound": BOUNDS.get(name), **({"stats": status} if status else {}),
+                     **({"cache": cache_counts} if cache_counts else {})})
     return rows
 
 

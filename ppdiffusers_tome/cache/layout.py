@@ -72,7 +72,10 @@ class _KeptOutput(Hook):
             return self.next(*args, **kwargs)
         if self.first and step.program is None:
             hidden = _first_tensor(args, kwargs)
-            mode = self.cache.arrive(step, step.state, tuple(hidden.shape), hidden, mode)
+            if mode != "full" or self.cache.threshold is not None:
+                mode = self.cache.arrive(step, step.state, tuple(hidden.shape), hidden, mode)
+            elif step.pending is not None:  # a full step of the fixed interval: only the shape to note
+                step.pending.shape = tuple(hidden.shape)
         if mode == "cached":
             site = step.state
             kept = site.kept.outputs if site is not None and site.kept is not None else {}
@@ -85,7 +88,8 @@ class _KeptOutput(Hook):
                 return value
             return self._stand_in(args, kwargs)
         output = self.next(*args, **kwargs)
-        step.pending.outputs[self.name] = output
+        if step.pending is not None:
+            step.pending.outputs[self.name] = output
         return output
 
     def _stand_in(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
@@ -211,7 +215,10 @@ class _Segment(Hook):
             return self.next(*args, **kwargs)
         streams = self._streams(args, kwargs)
         if self.first and step.program is None:
-            mode = self.cache.arrive(step, step.state, tuple(streams[0].shape), streams[0], mode)
+            if mode != "full" or self.cache.threshold is not None:
+                mode = self.cache.arrive(step, step.state, tuple(streams[0].shape), streams[0], mode)
+            elif step.pending is not None:  # a full step of the fixed interval: only the shape to note
+                step.pending.shape = tuple(streams[0].shape)
         if mode == "cached":
             if not self.first:
                 return self._output(streams)
@@ -220,6 +227,8 @@ class _Segment(Hook):
             delta = self.cache.work(site, step.index, site.kept.delta, earlier)
             return self._output(tuple(x + d if d is not None else x for x, d in zip(streams, delta)))
         pending = step.pending
+        if pending is None:  # nothing of this full step is kept
+            return self.next(*args, **kwargs)
         if self.first:
             pending.streams = streams
         output = self.next(*args, **kwargs)

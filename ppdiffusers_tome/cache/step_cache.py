@@ -197,6 +197,7 @@ class _Step(threading.local):
     mode: Optional[str] = None
     site = 0
     index = 0
+    keep = False  # whether this call's work is kept, if it runs in full
     program: Optional[bool] = None  # set by a StepProgram: the kind of step it fixes (True = full)
 
     def __init__(self) -> None:
@@ -267,9 +268,10 @@ class StepCache:
         if converting():
             raise StepCacheError(_static_refusal(self))
 
-    def begin(self, step: _Step) -> Optional[Tuple[int, Site, str]]:
-        """The start of a call: ``(step index, the call site's Site, mode)``, with ``step.mode`` set; None with
-        gradients on (a plain call, counted in ``grad_calls``)."""
+    def begin(self, step: _Step) -> Optional[Tuple[int, Optional[Site], str]]:
+        """The start of a call: ``(step index, the call site's Site or None, mode)``, with ``step`` set up (and a
+        :class:`KeptStep` to fill in ``step.pending`` when a full step's work will be kept); None with gradients on
+        (a plain call, counted in ``grad_calls``)."""
         index, site_id, fresh = model_calls(self.model).position
         if fresh:
             step.sites = {}
@@ -279,26 +281,28 @@ class StepCache:
             self.grad_calls += 1
             return None
         site = step.sites.get(site_id)
-        if site is None:
-            site = step.sites[site_id] = Site()
-        step.site, step.state, step.index, step.pending = site_id, site, index, None
-        step.mode = mode = self._mode(index, site)
+        if self.threshold is not None:
+            if site is None:
+                site = step.sites[site_id] = Site()
+            mode = self._adaptive_mode(index, site)
+        else:
+            mode = "full" if site is None or self.config.is_full(index) else "cached"
+        # the work of a full step is kept when a later step can use it
+        step.keep = self.threshold is not None or self.forecast is not None or not self.config.is_full(index + 1)
+        step.site, step.state, step.index, step.mode = site_id, site, index, mode
+        step.pending = KeptStep(index) if mode == "full" and step.keep else None
         return index, site, mode
 
-    def _mode(self, index: int, site: Site) -> str:
-        """The kind of step a call starts as: ``"full"``, ``"cached"``, or ``"decide"`` (the adaptive rule decides
-        at the first deep part)."""
-        if site.kept is None:
-            return "full"
-        if self.threshold is None:
-            return "full" if self.config.is_full(index) else "cached"
-        if self.threshold == 0 or (self.max_skips is not None and site.skips >= self.max_skips):
+    def _adaptive_mode(self, index: int, site: Site) -> str:
+        """The kind of step a call of the adaptive rule starts as: ``"full"`` (nothing kept, ``threshold=0``,
+        ``max_skips`` reached, a protected step) or ``"decide"`` (the rule decides at the first deep part)."""
+        if site.kept is None or self.threshold == 0 or (self.max_skips is not None and site.skips >= self.max_skips):
             return "full"
         current = generation.current()
         last = current.total - 1 if current is not None and current.total else None
         return "full" if self.config.protects(index, last) else "decide"
 
-    def arrive(self, step: _Step, site: Site, shape: Any, signal: Any, mode: str) -> str:
+    def arrive(self, step: _Step, site: Optional[Site], shape: Any, signal: Any, mode: str) -> str:
         """At the first deep part (the whole model: at the call): the step's final kind. A step whose ``shape``
         differs from the kept step's runs in full (counted in ``fallbacks``); the adaptive rule reads the change of
         ``signal`` since the site's previous call (the one device read) and decides a ``"decide"`` step."""
@@ -314,8 +318,10 @@ class StepCache:
                 mode = "full" if full else "cached"
             elif mode != "cached":
                 mode, site.accumulated, site.skips = "full", 0.0, 0
-        if mode == "full":
-            step.pending = KeptStep(step.index, shape)
+        if mode == "full" and step.keep:
+            if step.pending is None:
+                step.pending = KeptStep(step.index)
+            step.pending.shape = shape
         step.mode = mode
         return mode
 
@@ -326,7 +332,7 @@ class StepCache:
             return last
         return extrapolate(last, earlier, site.kept.step, site.earlier.step, index)
 
-    def finish(self, step: _Step, site: Site, index: int, mode: Optional[str]) -> None:
+    def finish(self, step: _Step, site: Optional[Site], index: int, mode: Optional[str]) -> None:
         """The end of a call that returned: the counters, and what a full one made kept for its site (when a
         later step can use it)."""
         self.calls += 1
@@ -337,9 +343,11 @@ class StepCache:
             return
         self.full_calls += 1
         pending, step.pending = step.pending, None
-        if pending is None or (self.threshold is None and self.forecast is None and self.config.is_full(index + 1)):
+        if pending is None:
             step.sites.pop(step.site, None)  # nothing the next step can use
             return
+        if site is None:
+            site = step.sites[step.site] = Site()
         earlier = site.kept
         site.earlier = earlier if self.forecast is not None and earlier is not None and \
             earlier.shape == pending.shape else None
@@ -363,7 +371,8 @@ class _ModelHook(Hook):
         step = cache.step
         if step.program is not None:  # a StepProgram fixes the kind of step and supplies the kept features
             return self._program(step, args, kwargs)
-        cache.refuse_conversion()
+        if converting():
+            raise StepCacheError(_static_refusal(cache))
         if step.mode is not None:  # the model called inside its own forward: that inner call is plain
             return self.next(*args, **kwargs)
         begun = cache.begin(step)
@@ -445,11 +454,14 @@ def _models(obj: Any, for_apply: bool, whole: bool = False) -> List[Tuple[str, p
     return models
 
 
-def _layout(model: paddle.nn.Layer, config: "CacheConfig", name: str) -> CacheLayout:
+def _layout(model: paddle.nn.Layer, config: "CacheConfig", name: str, owner: Any) -> CacheLayout:
+    """The layout ``config`` asks for on ``model`` (named ``name`` inside ``owner``, the object given to
+    :func:`apply_cache`), or ``ValueError`` naming the argument."""
     if config.whole_model:
         return WholeModelLayout(model, name)
     if is_fused_sd3(model):
-        raise ValueError(fused_sd3_reason(name, "the step cache") + "; or cache whole calls of it: apply_cache(..., "
+        where = f"{type(owner).__name__}.{name}" if owner is not model and hasattr(owner, "components") else name
+        raise ValueError(fused_sd3_reason(where, "the step cache") + "; or cache whole calls of it: apply_cache(..., "
                          "whole_model=True)")
     return layout_of(model, config, name)
 
@@ -482,7 +494,7 @@ def apply_cache(obj: Any, config: Optional[CacheConfig] = None, **options: Any) 
                          f"{', '.join(CONFIG_FIELDS)}")
     config = replace(config, **options) if config is not None else CacheConfig(**options)
     models = _models(obj, for_apply=True, whole=config.whole_model)
-    layouts = [_layout(model, config, name) for name, model in models]  # every check before any change
+    layouts = [_layout(model, config, name, obj) for name, model in models]  # every check before any change
     cached = models if not config.whole_model else _models(obj, for_apply=False)  # (a pipeline's ControlNets too)
     with LOCK:
         for name, model in cached + models:

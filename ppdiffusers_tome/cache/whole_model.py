@@ -132,8 +132,10 @@ class WholeModelHook(Hook):
             work = cache.work(site, index, kept.delta, earlier)[0]
             return _rebuilt(kept.template, latents + work if kept.residual else work)
         output = self.next(*args, **kwargs)
-        prediction = _first_output(output)
         pending = step.pending
+        if pending is None:  # nothing of this full call is kept
+            return output
+        prediction = _first_output(output)
         pending.residual = prediction.shape == latents.shape
         pending.delta = (prediction - latents if pending.residual else prediction,)
         pending.template = output
