@@ -65,7 +65,8 @@ JOINT_MIN_WORK = 2**23
 #   768 px, batch 2 (1.1e7): shared 0.69-1.01x, 1.08x; per block 0.54-0.74x, 0.92x
 #   1024 px, batch 2 (3.4e7): shared 1.13-1.14x, 1.22-1.23x; per block 1.01-1.03x, 1.08-1.09x
 #   768 px, batch 8 (4.2e7): shared 1.12x, 1.15x; per block 1.02x, 1.04x
-# Merging lost in eager mode at every product below 1024 px with one image: 2**25 = 2 * 4096**2 is that product.
+# Below 1024 px with one image a plan per block lost in both modes and a shared plan lost or at best broke even in
+# eager mode: 2**25 = 2 * 4096**2, that product, is where merging starts.
 JOINT_MERGE_MIN_WORK = 2**25
 ASSUMED_BATCH = 2
 POOL_MIN_RATIO = 0.3  # the smallest ratio at which K/V pooling was measured closer to vanilla than merging
