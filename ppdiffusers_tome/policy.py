@@ -54,9 +54,9 @@ MERGE_MIN_WORK = 2**28
 #   512 px, batch 8 (8 * 1024**2 = 8.4e6): 1.06x, 1.09x
 #   768 px, batch 2 (2 * 2304**2 = 1.1e7): 0.70-1.14x, 1.16-1.17x
 #   768 px, batch 8 (4.2e7): 1.18x, 1.19x; 1024 px, batch 2 (3.4e7): 1.28-1.29x, 1.30-1.32x; batch 8: 1.31x, 1.31x
-# 512 px with one image gained at most 1.04x in either mode and lost in eager mode, which weighs more in Paddle (more
-# host time per operator than PyTorch); from 768 px with one image every CUDA-graph run gained 1.16x or more (eager
-# runs there swung between 0.70x and 1.14x: host-bound). 2**23 = 8.4e6, 512 px with four images, is the smallest
+# 512 px with one image gained at most 1.04x as a CUDA graph (1.10x on SD3.5-large) and lost in eager mode, the mode
+# Paddle's dygraph runs (its host time per operator on a GPU was not measured); from 768 px with one image every
+# CUDA-graph run gained 1.16x or more (eager runs there swung between 0.70x and 1.14x: host-bound). 2**23 = 8.4e6, 512 px with four images, is the smallest
 # product measured above 512 px with one image, and gained in both modes: so 512 px downsamples from four images per
 # call (two images, 2**22, were not measured and stay vanilla), 768 px and 1024 px from one.
 JOINT_MIN_WORK = 2**23
@@ -159,8 +159,10 @@ class Policy:
         else:
             self.pool_min_work, self.merge_min_work = POOL_MIN_WORK, MERGE_MIN_WORK
         # one merge plan per call and token count: asked for, or SD3's blocks on GPU kernels with share_plan="auto"
-        self.share_level = config.share_plan == "level"
-        self.share_joint = joint and config.share_plan == "auto"
+        # (ToDo has no plan to share)
+        tome = config.method == "tome"
+        self.share_level = tome and config.share_plan == "level"
+        self.share_joint = tome and joint and config.share_plan == "auto"
         self._decisions: dict[tuple[str, int, int], Decision] = {}
         self.warned = False
 

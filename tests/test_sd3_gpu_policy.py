@@ -121,6 +121,7 @@ def test_share_plan_given_by_the_user_decides_the_sharing_on_sd3(options, shared
 def test_todo_asked_for_on_sd3_runs_from_joint_min_work_and_cpu_kernels_keep_tomesds_plan_per_block():
     plans, decision, _ = planned(dict(method="todo"), 512, 4)
     assert decision["action"] == "merge" and decision["min_work"] == JOINT_MIN_WORK
+    assert not decision["shared"] and "one plan per call" not in decision["why"]  # ToDo has no plan to share
     assert all(isinstance(plan, DownsamplePlan) for plan in plans)
     plans, decision, stats = planned({}, 512, 1, kernels="cpu")  # CPU kernels: merging pays at every size
     assert decision["action"] == "merge" and decision["min_work"] == 0 and not decision["shared"]
