@@ -395,8 +395,10 @@ def tome_status(obj: Any) -> Dict[str, Dict[str, Any]]:
       port's arguments), or ``None``;
     * ``"blocks"``: how many transformer blocks it patched (0 when none);
     * ``"policy"`` (this package only): what the policy chose at each token count seen so far, ``{tokens:
-      {"action", "kernels", "batch", "tokens", "work", "min_work", "why"}}``; ``action`` is ``"merge"`` (the
-      settings' plan), ``"pool"`` (K/V pooling) or ``"skip"``, and ``why`` says it in one line with the numbers;
+      {"action", "kernels", "batch", "tokens", "work", "min_work", "shared", "why"}}``; ``action`` is ``"merge"``
+      (the settings' plan), ``"pool"`` (K/V pooling; on SD3, of the image keys and values) or ``"skip"``,
+      ``shared`` says whether a merge plan is made once per call for every block at that token count, and ``why``
+      says it in one line with the numbers;
     * ``"cache"``: the step cache on the model (:func:`ppdiffusers_tome.apply_cache`), as
       :func:`~ppdiffusers_tome.cache.step_cache.cache_status` gives it, or ``None``.
 
@@ -430,9 +432,9 @@ def tome_stats(obj: Any) -> Dict[str, Dict[str, int]]:
     """Counters per patched model of ``obj``, all since ``apply_tome``: ``blocks`` patched, forward ``calls`` seen,
     sub-layer ``merges`` run on merged (or, with ToDo, downsampled) tokens, merge plans ``plans_computed``
     (matching run), ``plans_reused`` (taken from the cache of ``recompute_every``) and ``plans_shared`` (taken from
-    an earlier block of the same call with ``share_plan="level"``), ``blocks_skipped``: block calls that would
-    have merged but were below ``min_tokens`` or the policy's ``min_work``, and ``blocks_pooled``: block calls whose
-    keys and values the policy pooled instead of merging.
+    an earlier block of the same call: ``share_plan="level"``, or SD3 on GPU kernels), ``blocks_skipped``: block
+    calls that would have merged but were below ``min_tokens`` or the policy's ``min_work``, and ``blocks_pooled``:
+    block calls whose keys and values the policy pooled instead of merging.
 
     Example:
         >>> import ppdiffusers_tome
