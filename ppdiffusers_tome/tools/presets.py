@@ -53,6 +53,7 @@ CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 __all__ = [
     "DEFAULT_PRESET",
     "DTYPES",
+    "TINY_TIMINGS",
     "available_memory_bytes",
     "available_presets",
     "check_attention_memory",
@@ -319,6 +320,10 @@ def _assemble(name: str, scheduler: str | None = None, seed: int = 0, dtype: str
 
 
 DTYPES = ("float32", "float16", "bfloat16")
+# what the examples say after timing a tiny model
+TINY_TIMINGS = ("These timings are of a tiny model with random weights, built to run in seconds: its attention holds "
+                "too few tokens for merging to pay, so they show that the example runs, not how fast ToMe is. Time a "
+                "real model (--model DIR); the measured tables are in docs/benchmarks.md.")
 
 
 def check_dtype(dtype: str) -> None:
