@@ -126,3 +126,41 @@ def test_install_progress_lines_appear_while_pip_is_still_running():
         shell.wait(timeout=30)
     assert shown == ["run.sh:   resolving: 1 packages so far", "run.sh:   resolving: 11 packages so far",
                      "run.sh:   installing 3 packages (the slow part) ..."]
+
+
+# (message, category, module that warns): what other libraries say during the suite, which pytest.ini silences
+THIRD_PARTY = [
+    ("No ccache found. Please be aware that recompiling all source files may be required.", UserWarning,
+     "paddle.utils.cpp_extension.extension_utils"),
+    ("The distutils package is deprecated and slated for removal in Python 3.12.", DeprecationWarning,
+     "paddle.jit.sot.opcode_translator.skip_files"),
+    ("`pydantic.config.Extra` is deprecated, use literal values instead", DeprecationWarning,
+     "paddlenlp.server.http_router.router"),
+    ("The configuration file of this scheduler: DDIMScheduler is outdated.", FutureWarning,
+     "ppdiffusers.pipelines.stable_diffusion.pipeline_stable_diffusion"),
+    ("The 'warn' method is deprecated, use 'warning' instead", DeprecationWarning, "ppdiffusers.pipelines.pipeline_utils"),
+    ("In static graph mode, where_() is the same as where() and does not perform inplace operation.", UserWarning,
+     "paddle.utils.inplace_utils"),
+    ("Tensor do not have 'place' interface for pir graph mode, try not to use it.", UserWarning,
+     "paddle.pir.math_op_patch"),
+    ("full_graph=False don't support input_spec arguments. It will not produce any effect.", UserWarning,
+     "paddle.jit.dy2static.program_translator"),
+]
+
+
+def test_the_suite_silences_other_libraries_warnings_and_keeps_the_packages():
+    """pytest.ini's filters (active inside every test) drop the other libraries' warnings of a run, and only those:
+    the package's own warnings, even of the same categories, and a warning of ppdiffusers' text from elsewhere, stay."""
+    import warnings
+
+    def shown(message, category, module):
+        with warnings.catch_warnings(record=True) as seen:  # (keeps the filters in force, records what passes)
+            warnings.warn_explicit(message, category, module.replace(".", "/") + ".py", 1, module=module)
+        return len(seen) == 1
+
+    for message, category, module in THIRD_PARTY:
+        assert not shown(message, category, module), message
+    assert shown("ToMe changed nothing in UNet2DConditionModel: no transformer block's tokens ...", UserWarning,
+                 "ppdiffusers_tome.calls")
+    assert shown("clear_cache is deprecated; use clear_table_cache", DeprecationWarning, "ppdiffusers_tome.ops.cache")
+    assert shown("a future change", FutureWarning, "ppdiffusers_tome.config")  # (ppdiffusers\. is not a prefix)
