@@ -246,6 +246,26 @@ def test_every_example_answers_help_with_its_defaults_without_importing_paddle()
     assert "--resolution RESOLUTION, --size RESOLUTION" in sd3 and "a multiple of 16" in sd3 and "(default: 64)" in sd3
 
 
+def test_every_example_imports_the_package_before_paddle():
+    """Imported first, Paddle prints "No ccache found"; the package, imported before it, keeps that quiet. Nothing at
+    an example's top level imports Paddle or ppdiffusers (so --help is fast), and main imports the package first."""
+    import ast
+
+    heavy = ("paddle", "ppdiffusers", "ppdiffusers_tome")
+
+    def imported(nodes):
+        names = [alias.name for node in nodes if isinstance(node, ast.Import) for alias in node.names]
+        names += [node.module for node in nodes if isinstance(node, ast.ImportFrom)]
+        return [name.split(".")[0] for name in names if name.split(".")[0] in heavy]
+
+    for script in SCRIPTS:
+        with open(os.path.join(EXAMPLES, script), encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        assert imported(tree.body) == [], script
+        main = next(node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == "main")
+        assert imported(main.body)[0] == "ppdiffusers_tome", script
+
+
 def test_every_example_offers_the_packages_dtypes():
     from ppdiffusers_tome.presets import DTYPES
 
