@@ -62,6 +62,7 @@ from ppdiffusers_tome.patch import get_patch  # noqa: E402
 from ppdiffusers_tome.tools.measure import PeakMemory, relative_l2, set_threads  # noqa: E402
 
 PARTS = ("sd3-block", "sdxl-unet", "ceilings")
+SCRIPT = "benchmarks/full_width.py"
 MEASUREMENTS = os.path.join(os.path.dirname(HERE), "docs", "measurements")
 # full-width FLOP counts of benchmarks/cache_costs.py (batch 2; counted at 64-256 px, 512 and 1024 px extrapolated)
 SD15_COUNTS = "v0120_cache_costs_sd15.json"  # preset sd15: SD-1.5's layout and widths
@@ -296,7 +297,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         for row in rows:
             print(f"| {row['model']} | {row['size']}² | {row['setting']} | {row['flop_ceiling']:.2f}× | "
                   f"{row['source']} |")
-        return write({"version": ppdiffusers_tome.__version__, "part": args.part, "rows": rows}, argv, args.output)
+        return sd3_forward.write({"version": ppdiffusers_tome.__version__, "part": args.part, "rows": rows}, argv,
+                                 args.output, SCRIPT)
     threads = set_threads(args.threads)
     if args.part == "sd3-block":
         subject, configs = JointBlock(args.width, args.resolution), SD3_CONFIGS
@@ -309,20 +311,10 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     print(f"{args.part} at {args.resolution}x{args.resolution} px, batch 2, float32, {threads} threads, "
           f"{args.rounds} timed rounds after {args.warmup} untimed ({ppdiffusers_tome.__version__})")
     print(table(rows))
-    return write({"version": ppdiffusers_tome.__version__, "paddle": paddle.__version__,
-                  "date": time.strftime("%Y-%m-%d"), "part": args.part, "resolution": args.resolution, "batch": 2,
-                  "threads": threads, "rounds": args.rounds, "warmup": args.warmup, **layout, "rows": rows}, argv,
-                 args.output)
-
-
-def write(result: Dict[str, Any], argv: Optional[List[str]], output: Optional[str]) -> Dict[str, Any]:
-    """``result`` with the command that made it, written as JSON to ``output`` (when given)."""
-    result["command"] = "benchmarks/full_width.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    if output:
-        os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
-        with open(output, "w", encoding="utf-8") as handle:
-            json.dump(result, handle, indent=1)
-    return result
+    return sd3_forward.write({"version": ppdiffusers_tome.__version__, "paddle": paddle.__version__,
+                              "date": time.strftime("%Y-%m-%d"), "part": args.part, "resolution": args.resolution,
+                              "batch": 2, "threads": threads, "rounds": args.rounds, "warmup": args.warmup, **layout,
+                              "rows": rows}, argv, args.output, SCRIPT)
 
 
 if __name__ == "__main__":
