@@ -350,9 +350,11 @@ def main(argv: List[str] | None = None) -> Dict[str, Any]:
                   "batch": 2, "rows": rows}, argv, args.output)
 
 
-def write(result: Dict[str, Any], argv: List[str] | None, output: str | None) -> Dict[str, Any]:
-    """``result`` with the command that made it, written as JSON to ``output`` (when given)."""
-    result["command"] = "benchmarks/sd3_forward.py " + " ".join(argv if argv is not None else sys.argv[1:])
+def write(result: Dict[str, Any], argv: List[str] | None, output: str | None,
+          script: str = "benchmarks/sd3_forward.py") -> Dict[str, Any]:
+    """``result`` with the command that made it (``script`` and its arguments), written as JSON to ``output`` (when
+    given)."""
+    result["command"] = script + " " + " ".join(argv if argv is not None else sys.argv[1:])
     if output:
         os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
         with open(output, "w", encoding="utf-8") as handle:

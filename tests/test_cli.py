@@ -598,6 +598,9 @@ def test_ctrl_c_during_the_demo_keeps_the_finished_rounds(tmp_path, capsys, monk
     record = read_record(tmp_path)
     assert record["complete"] is False and record["timed_runs_done"] == 1
     assert [(r["method"], len(r["runs_seconds"])) for r in record["results"]] == [("vanilla", 1), ("tome", 1)]
+    note = next(text for text in record["warnings"] if text.startswith("NOTE: one timed run"))
+    assert "--repeats 1" not in note  # (the option the user did not pass)
+    assert "(the run was stopped after the first of its 3)" in note and "finishes its 3 timed runs" in note
     with Image.open(tmp_path / "demo.png") as png:
         png.verify()
 

@@ -36,7 +36,7 @@ import paddle
 
 from ..core.calls import drop_calls_if_alone, model_calls, refuse_if_running
 from ..core.registry import LOCK, Hook, StaticGraphError, add_hook, hooks_of, remove_hook
-from ..core.targets import fused_sd3_reason, is_fused_sd3, pipeline_candidates, resolve
+from ..core.targets import fused_sd3_reason, is_fused_sd3, keyword_call, pipeline_candidates, resolve
 from ..core.validation import as_choice, is_int, shown
 from ..ops.runtime import converting
 from .layout import AUTO, Layout, TransformerLayout, layout_of
@@ -278,9 +278,10 @@ def _cacheable(model: paddle.nn.Layer) -> bool:
     return layout_of(model, None) is not None
 
 
-def _models(obj: Any, for_apply: bool) -> List[Tuple[str, paddle.nn.Layer]]:
-    """The UNet, ControlNets or transformer a step cache goes on inside ``obj``."""
-    pipeline, models = resolve(obj, "apply_cache/remove_cache", _cacheable)
+def _models(obj: Any, for_apply: bool, what: str) -> List[Tuple[str, paddle.nn.Layer]]:
+    """The UNet, ControlNets or transformer a step cache goes on inside ``obj``; bad input raises ``ValueError``
+    naming ``what``, the function called."""
+    pipeline, models = resolve(obj, what, _cacheable)
     if for_apply and pipeline is not None and not models:
         fused = [name for name, model in pipeline_candidates(pipeline) if is_fused_sd3(model)]
         if fused:
@@ -306,15 +307,22 @@ def apply_cache(obj: Any, config: Optional[CacheConfig] = None, **options: Any) 
         3
         >>> pipe = pipe.remove_cache()
     """
+    return _apply_cache(obj, config, options, method=False)
+
+
+def _apply_cache(obj: Any, config: Any, options: Dict[str, Any], method: bool) -> Any:
+    """:func:`apply_cache` called as a function or (``method``) as the method ``obj.apply_cache``: a hint names the
+    call in the caller's form."""
     if config is not None and not isinstance(config, CacheConfig):
-        hint = " (the interval is a keyword: apply_cache(pipe, interval=3))" if is_int(config) else ""
+        meant = keyword_call(obj, "apply_cache", "interval", config, method)
+        hint = f" (the interval is a keyword: {meant})" if is_int(config) else ""
         raise ValueError(f"config must be None or a CacheConfig; got {type(config).__name__} {config!r}{hint}")
     unknown = sorted(set(options) - set(CONFIG_FIELDS))
     if unknown:
         raise ValueError(f"apply_cache got unknown option(s) {', '.join(unknown)}; the options are "
                          f"{', '.join(CONFIG_FIELDS)}")
     config = replace(config, **options) if config is not None else CacheConfig(**options)
-    models = _models(obj, for_apply=True)
+    models = _models(obj, for_apply=True, what="apply_cache")
     layouts = [layout_of(model, config, name) for name, model in models]  # every check before any change
     with LOCK:
         for name, model in models:
@@ -343,7 +351,7 @@ def remove_cache(obj: Any) -> Any:
     >>> remove_cache(unet) is unet, get_cache(unet) is None, type(unet.mid_block).__name__
     (True, True, 'UNetMidBlock2DCrossAttn')
     """
-    models = _models(obj, for_apply=False)
+    models = _models(obj, for_apply=False, what="remove_cache")
     with LOCK:
         for name, model in models:
             if get_cache(model) is not None:
@@ -362,7 +370,7 @@ def reset_cache(obj: Any) -> Any:
     >>> reset_cache(unet) is unet
     True
     """
-    for _, model in _models(obj, for_apply=False):
+    for _, model in _models(obj, for_apply=False, what="reset_cache"):
         cache = get_cache(model)
         if cache is not None:
             cache.reset()
@@ -381,7 +389,7 @@ def cache_status(obj: Any) -> Dict[str, Optional[Dict[str, Any]]]:
     {'UNet2DConditionModel': None}
     """
     status = {}
-    for name, model in _models(obj, for_apply=False):
+    for name, model in _models(obj, for_apply=False, what="cache_status"):
         cache = get_cache(model)
         status[name] = None if cache is None else cache.status()
     return status

@@ -293,7 +293,7 @@ def demo_record(args: argparse.Namespace, prepared: Prepared, size: int, rows: l
     settings = {"resolution": size, "steps": args.steps, "repeats": args.repeats, "seed": args.seed,
                 "prompt": args.prompt, "guidance_scale": args.guidance_scale, "max_downsample": args.max_downsample,
                 "batch_size": 1}
-    notes = [text for text in (single_run_note(rows), noise_warning(rows)) if text]
+    notes = [text for text in (single_run_note(rows, args.repeats), noise_warning(rows)) if text]
     if any(row.get("merges_nothing") for row in rows):
         notes.insert(0, TWIN_LEGEND)
     return {
