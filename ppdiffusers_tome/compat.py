@@ -11,6 +11,7 @@ for, and ``import ppdiffusers_tome`` installs it.
 >>> import warnings
 >>> from ppdiffusers_tome.tome import patch
 >>> with warnings.catch_warnings(record=True):  # a FutureWarning names the new path
+...     warnings.simplefilter("always")
 ...     import ppdiffusers_tome.patch as old
 >>> old is patch
 True
