@@ -31,7 +31,8 @@ from .joint_attention import attention_core
 from .ops.runtime import converting, device_kind, tracing
 from .planner import Planner
 from .registry import LOCK, add_hook, hooks_of, remove_hook
-from .state import CallRecord, Counters, ToMeState, ToMeStaticGraphError, progress_of, refuse_conversion
+from .state import (CallRecord, Counters, ToMeState, ToMeStaticGraphError, progress_of, refuse_conversion,
+                    refuse_dynamic_size, refuse_dynamic_tokens)
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +112,8 @@ class ModelPatch:
         self.timestep_arg = _timestep_index(model)
         self.scheduled = config.is_scheduled
         self.needs_python = self.scheduled or config.caches_plans  # what a static graph cannot hold
+        # whether any block call may plan (ToDo, a ratio above 0 or a schedule): then the token grid must be known
+        self.plans = self.settings.merges_something and (self.settings.todo or self.scheduled or config.ratio > 0)
         # the blocks that can merge (all of them unless the model's structure says each one's level)
         levels = block_levels(model, all_blocks) if self.settings.merges_something else None
         limit = self.settings.auto_finest if self.settings.auto_level else self.settings.max_downsample
@@ -298,6 +301,8 @@ class ModelPatch:
         timestep = args[index] if len(args) > index else kwargs.get("timestep")
         shape = getattr(sample, "shape", None)
         latent_hw = (int(shape[-2]), int(shape[-1])) if shape is not None and len(shape) == 4 else None
+        if latent_hw is not None and (latent_hw[0] < 0 or latent_hw[1] < 0) and self.plans:  # (-1: tracing)
+            refuse_dynamic_size(type(self.model).__name__, "ToDo" if self.settings.todo else "ToMe", shape)
         ratio = self.config.ratio
         if self.scheduled and self.settings.merges_something and not self.settings.todo:
             progress = progress_of(timestep, self.train_timesteps, self.counters)
@@ -350,6 +355,8 @@ class ModelPatch:
         if where in grids:
             grid = grids[where]
         else:
+            if tokens < 0 and self.plans:  # (a dynamic token count while tracing: no grid is known)
+                refuse_dynamic_tokens(type(self.model).__name__, "ToDo" if self.settings.todo else "ToMe", hidden.shape)
             grid = grids[where] = grid_of(self.settings, call.latent_hw, tokens)
         if grid is not None and (call.finest_level is None or grid[0] < call.finest_level):
             call.finest_level = grid[0]

@@ -31,6 +31,7 @@ from typing import Any
 
 from .config import ToMeConfig
 from .ops.runtime import KERNELS, device_kind, tracing
+from .state import ToMeStaticGraphError
 
 __all__ = ["ASSUMED_BATCH", "JOINT_MIN_WORK", "MERGE_MIN_WORK", "POOL_MIN_RATIO", "POOL_MIN_WORK", "Decision", "Policy",
            "pools_by_default"]
@@ -135,6 +136,10 @@ class Policy:
         return decision
 
     def _decide(self, kernels: str, batch: int, tokens: int) -> Decision:
+        if tokens < 0:  # (a dynamic token count while tracing: the work is unknown)
+            raise ToMeStaticGraphError(
+                "ToMe's policy decides from a block's batch * tokens**2, and this block's token count is dynamic in "
+                "the traced program; give the InputSpec a fixed height and width, or convert in SOT mode")
         work = (batch if batch >= 0 else ASSUMED_BATCH) * tokens * tokens
         if not self.auto:
             return Decision(MERGE, kernels, batch, tokens, work, 0, self.name)

@@ -218,3 +218,25 @@ def test_wrong_models_and_settings_are_refused_by_name():
     with pytest.raises(ValueError, match="config must be a CacheConfig"):
         ScheduledSteps(lambda *a: None, lambda *a: None, {"interval": 3})
     assert ScheduledSteps(lambda *a: None, lambda *a: None, CacheConfig(interval=2)).step == 0
+
+
+def test_tome_inside_the_step_programs_refuses_a_dynamic_latent_size_by_name(tmp_path):
+    """ToMe plans on the token grid inside both programs: a dynamic latent height and width once gave a full program
+    that ran unmerged, with no error."""
+    from ppdiffusers_tome.patch import ToMeStaticGraphError
+
+    unet = step_unet()
+    unet.apply_tome(ratio=0.5, use_rand=False)
+    unet.apply_cache(interval=3)
+    programs = StepPrograms(unet)
+    steps = step_inputs(2)
+    spec = [InputSpec([None, 4, None, None], "float32"), InputSpec([None], "int64"),
+            InputSpec([None, 5, 32], "float32")]
+    full = paddle.jit.to_static(programs.full, input_spec=spec, full_graph=True)
+    with pytest.raises(ToMeStaticGraphError, match="dynamic latent height and width"):
+        paddle.jit.save(full, str(tmp_path / "full"))
+    feature = programs.feature_spec(*steps[0])
+    feature = InputSpec([None, feature.shape[1], None, None], feature.dtype)
+    cached = paddle.jit.to_static(programs.cached, input_spec=[feature] + spec, full_graph=True)
+    with pytest.raises(ToMeStaticGraphError, match="dynamic latent height and width"):
+        paddle.jit.save(cached, str(tmp_path / "cached"))
