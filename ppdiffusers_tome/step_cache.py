@@ -29,12 +29,14 @@ from __future__ import annotations
 
 import logging
 import threading
+import warnings
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import paddle
 
-from .cache_layout import AUTO, Layout, TransformerLayout, layout_of
+from . import generation
+from .cache_layout import AUTO, Layout, TransformerLayout, layout_of, too_few_blocks
 from .calls import drop_calls_if_alone, model_calls, refuse_if_running
 from .ops.runtime import converting
 from .registry import LOCK, Hook, StaticGraphError, add_hook, hooks_of, remove_hook
@@ -285,6 +287,10 @@ def _models(obj: Any, for_apply: bool) -> List[Tuple[str, paddle.nn.Layer]]:
         fused = [name for name, model in pipeline_candidates(pipeline) if is_fused_sd3(model)]
         if fused:
             raise ValueError(fused_sd3_reason(f"{type(pipeline).__name__}.{fused[0]}", "the step cache"))
+        for name, model in pipeline_candidates(pipeline):  # a transformer-only model that is too short
+            short = too_few_blocks(model, f"{type(pipeline).__name__}.{name}")
+            if short is not None:
+                raise ValueError(short)
         raise ValueError(f"apply_cache needs a pipeline with a UNet, a ControlNet or a transformer-only model (SD3, "
                          f"DiT, PixArt-alpha); {type(pipeline).__name__} has none")
     return models
