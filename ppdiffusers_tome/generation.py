@@ -140,6 +140,7 @@ class _Position(threading.local):
     generation: Optional[Generation] = None
     step = -1
     site = 0
+    before: Optional[Tuple[Any, int, int, int]] = None  # the position before the latest tick, for untick
 
 
 class StepClock:
@@ -160,6 +161,7 @@ class StepClock:
     def tick(self) -> Tuple[int, int, bool]:
         """The position of the call that starts now: ``(step, site, new generation)``."""
         position, generation = self._position, THREAD.generation
+        position.before = (position.generation, position.step, position.site, self._epochs.step)
         if generation is not None:
             fresh = position.generation is not generation
             if fresh or position.step != generation.steps:
@@ -173,6 +175,20 @@ class StepClock:
         position.step += 1
         position.site = 0
         return position.step, 0, fresh
+
+    def untick(self) -> None:
+        """Take back this thread's latest :meth:`tick`: its call did not finish (an error, Ctrl-C), so it is no
+        step, and the next call gets the position it had.
+
+        >>> clock = StepClock()
+        >>> clock.tick(); clock.untick(); clock.tick()
+        (0, 0, True)
+        (0, 0, True)
+        """
+        position = self._position
+        if position.before is not None:
+            position.generation, position.step, position.site, self._epochs.step = position.before
+            position.before = None
 
     def reset(self) -> None:
         """Start a new generation for calls outside a pipeline (in every thread), and forget this thread's

@@ -345,6 +345,12 @@ class ModelPatch:
         if not record.merged_blocks and not self.counters.warned_no_merge:
             self._warn_if_nothing_merged(record)
 
+    def abandon_call(self, record: CallRecord) -> None:
+        """A call did not finish (an error, Ctrl-C): forget the plans it kept for later steps, as its step is
+        taken back (the model's step clock does that)."""
+        if self.planner.caches:
+            self.planner.cache.forget(record.step, record.site)
+
     def plan_block(self, index: int, hidden: Any, call: CallRecord) -> Any:
         """The plan of block ``index`` for its input ``hidden`` in ``call`` (None when it does not merge)."""
         if call.latent_hw is None or not isinstance(hidden, TENSOR_TYPES) or hidden.ndim != 3:

@@ -196,6 +196,12 @@ class PlanCache:
         while len(plans) > self.MAX_PLANS:
             plans.popitem(last=False)
 
+    def forget(self, step: int, site: int) -> None:
+        """Drop this thread's plans kept at ``step`` by call site ``site`` (a call that did not finish)."""
+        plans = self._plans()
+        for key in [key for key, entry in plans.items() if key[1] == site and entry[1] == step]:
+            del plans[key]
+
     def __getstate__(self) -> Dict[str, Any]:
         return {"every": self.every}
 
