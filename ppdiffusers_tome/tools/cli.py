@@ -286,7 +286,7 @@ def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
     bench.add_argument("--batch-sizes", type=_positive_int, nargs="+", default=None,
                        help="images per call (default 1; with --calibrate 1 and 8)")
     bench.add_argument("--ratios", type=_ratio, nargs="+", default=[0.5],
-                       help=f"ToMe ratios, each in [0, {RATIO_LIMIT:g}) (the limit at the default strides)")
+                       help=f"ToMe ratios, each in [0, {RATIO_LIMIT:g}) (the limit at strides sx=sy=2)")
     bench.add_argument("--methods", nargs="+", choices=BENCH_METHODS, metavar="METHOD",
                        default=["vanilla", "tome", "tome-efficient", "bound"],
                        help=f"methods to measure, of: {', '.join(BENCH_METHODS)}; tome-efficient needs Paddle's "
