@@ -367,6 +367,20 @@ def test_command_line_output_has_no_third_party_noise(tmp_path):
     assert "building preset tiny with random weights" in done.stderr.splitlines()[0]
 
 
+def test_a_cache_row_too_short_to_cache_says_so_once_as_a_plain_line(tmp_path, capsys, caplog):
+    """At --steps 1 the step cache row has no cached step: the library warns at every run (each run applies the cache
+    anew); the demo says it once, as a log line, and no Python warning reaches its output."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert main(["demo", *TINY, "--steps", "1", "--ratios", "0.5", "--repeats", "2", "--output", str(tmp_path)]) == 0
+    said = [r.getMessage() for r in caplog.records if "ran every call of a pipeline call in full" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("tome@0.5") and "first cached step is step 1" in said[0], said
+    assert not [w for w in caught if "step cache" in str(w.message)]
+    assert "UserWarning" not in capsys.readouterr().err
+
+
 def test_library_import_leaves_warnings_and_logging_alone():
     """A plain ``import ppdiffusers_tome`` silences Paddle's two import warnings for the length of its own import
     only (examples import it first for that): afterwards the warning filters are exactly the application's."""
