@@ -29,17 +29,19 @@ from __future__ import annotations
 
 import logging
 import threading
+import warnings
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 import paddle
 
+from ..core import generation
 from ..core.calls import drop_calls_if_alone, model_calls, refuse_if_running
 from ..core.registry import LOCK, Hook, StaticGraphError, add_hook, hooks_of, remove_hook
 from ..core.targets import fused_sd3_reason, is_fused_sd3, keyword_call, pipeline_candidates, resolve
 from ..core.validation import as_choice, is_int, shown
 from ..ops.runtime import converting
-from .layout import AUTO, Layout, TransformerLayout, layout_of
+from .layout import AUTO, Layout, TransformerLayout, layout_of, too_few_blocks
 
 __all__ = ["CacheConfig", "StepCache", "StepCacheError", "apply_cache", "cache_status", "get_cache", "remove_cache",
            "reset_cache"]
@@ -141,6 +143,7 @@ class _Step(threading.local):
     mode: Optional[str] = None
     site = 0
     program: Optional[bool] = None  # set by a StepProgram: the kind of step it fixes (True = full)
+    run: Optional[List[int]] = None  # this pipeline call's [calls, cached calls, last step, fallbacks before it]
 
     def __init__(self) -> None:
         self.kept: Dict[int, Dict[str, Any]] = {}  # call site -> the deep parts' kept outputs (and "__shape__")
@@ -156,6 +159,7 @@ class StepCache:
         self.deep = layout.deep  # (name, layer) of the deep parts, in call order
         self.step = _Step()
         self.calls = self.full_calls = self.cached_calls = self.fallbacks = self.grad_calls = 0
+        self.warned_all_full = False  # the "no cached step in a pipeline call" warning is given once
 
     def thread_state(self) -> _Step:
         return self.step
@@ -180,9 +184,40 @@ class StepCache:
     def reset(self) -> None:
         """The next call of the model (outside a pipeline: of any thread) is step 0, with nothing kept."""
         self.step.kept = {}
+        self.warned_all_full = False
         calls = model_calls(self.model)
         if calls is not None:
             calls.reset_clock()
+
+    def run_finished(self) -> None:
+        """A pipeline call's denoising loop finished (in this thread): warn, once, when it had calls of this model
+        and none was cached although the settings cache some step."""
+        run, self.step.run = self.step.run, None
+        if run is None or self.warned_all_full or not run[0] or run[1]:
+            return
+        config = self.config
+        first = next((s for s in range(1, config.start + max(config.interval, len(config.full_steps or ())) + 2)
+                      if not config.is_full(s)), None)
+        if first is None:  # (interval=1, or full steps everywhere: every call full, as asked)
+            return
+        self.warned_all_full = True
+        steps, fallbacks = run[2] + 1, self.fallbacks - run[3]
+        shown = ("full_steps", "start", "stop") if config.full_steps is not None else ("interval", "start", "stop")
+        settings = ", ".join(f"{k}={getattr(config, k)!r}" for k in shown
+                             if k == shown[0] or getattr(config, k) != getattr(CacheConfig, k))
+        shapes = (f" {fallbacks} of them because the input's shape differed from the kept step's (fallbacks)."
+                  if fallbacks else "")
+        warnings.warn(
+            f"The step cache on {type(self.model).__name__} ran every call of a pipeline call in full ({run[0]} "
+            f"call{'s' if run[0] != 1 else ''}, {steps} denoising step{'s' if steps != 1 else ''}), so it saved "
+            f"nothing.{shapes} With {settings} the first cached step is step {first} (0-based), and "
+            "steps are counted by the pipeline's denoising loop: a short run has none (few num_inference_steps, or "
+            "img2img and inpainting at a low strength, which denoise about strength x num_inference_steps steps; "
+            "PNDM's warm-up call belongs to step 0). Use more steps, a smaller interval or start, or remove_cache. "
+            "(Said once; reset_cache says it again.)",
+            UserWarning,
+            stacklevel=2,
+        )
 
     def status(self) -> Dict[str, Any]:
         return {"settings": self.config.to_dict(), "layers": self.layout.layers, "deep_blocks": len(self.deep),
@@ -217,18 +252,19 @@ class _ModelHook(Hook):
         position, config = model_calls(cache.model).position, cache.config
         index, site, fresh = position
         if fresh:
-            step.kept = {}
+            step.kept, step.run = {}, None
+            run = None if cache.warned_all_full else generation.current()
+            if run is not None:  # a pipeline call: its calls are counted, for the warning when none is cached
+                step.run = [0, 0, 0, cache.fallbacks]
+                run.on_finish(cache.run_finished)
         if paddle.is_grad_enabled():
             cache.grad_calls += 1
             return self.next(*args, **kwargs)
         kept = step.kept.get(site)
         full = kept is None or config.is_full(index)
         step.mode, step.site, step.pending = ("full" if full else "cached"), site, {}
-        try:
+        try:  # (a call that does not finish keeps nothing and leaves its site's kept features as they were)
             output = self.next(*args, **kwargs)
-        except BaseException:
-            step.kept.pop(site, None)  # a failed or interrupted call leaves nothing for the next one
-            raise
         finally:
             mode, step.mode = step.mode, None
         cache.calls += 1
@@ -241,6 +277,11 @@ class _ModelHook(Hook):
                 step.kept.pop(site, None)
         else:
             cache.cached_calls += 1
+        counts = step.run
+        if counts is not None:
+            counts[0] += 1
+            counts[1] += mode != "full"
+            counts[2] = index
         step.pending = {}
         return output
 
@@ -286,6 +327,10 @@ def _models(obj: Any, for_apply: bool, what: str) -> List[Tuple[str, paddle.nn.L
         fused = [name for name, model in pipeline_candidates(pipeline) if is_fused_sd3(model)]
         if fused:
             raise ValueError(fused_sd3_reason(f"{type(pipeline).__name__}.{fused[0]}", "the step cache"))
+        for name, model in pipeline_candidates(pipeline):  # a transformer-only model that is too short
+            short = too_few_blocks(model, f"{type(pipeline).__name__}.{name}")
+            if short is not None:
+                raise ValueError(short)
         raise ValueError(f"apply_cache needs a pipeline with a UNet, a ControlNet or a transformer-only model (SD3, "
                          f"DiT, PixArt-alpha); {type(pipeline).__name__} has none")
     return models

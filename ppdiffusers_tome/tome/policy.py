@@ -35,6 +35,7 @@ from typing import Any
 
 from ..ops.runtime import KERNELS, device_kind, tracing
 from .config import ToMeConfig
+from .state import ToMeStaticGraphError
 
 __all__ = ["ASSUMED_BATCH", "JOINT_MERGE_MIN_WORK", "JOINT_MIN_WORK", "MERGE_MIN_WORK", "POOL_MIN_RATIO",
            "POOL_MIN_WORK", "Decision", "Policy", "pools_by_default"]
@@ -182,6 +183,10 @@ class Policy:
         return decision
 
     def _decide(self, kernels: str, batch: int, tokens: int) -> Decision:
+        if tokens < 0:  # (a dynamic token count while tracing: the work is unknown)
+            raise ToMeStaticGraphError(
+                "ToMe's policy decides from a block's batch * tokens**2, and this block's token count is dynamic in "
+                "the traced program; give the InputSpec a fixed height and width, or convert in SOT mode")
         work = (batch if batch >= 0 else ASSUMED_BATCH) * tokens * tokens
         # where every operator is a kernel launch (the GPU family), a small block costs more than merging saves
         launch_bound = KERNELS[kernels].few_launches
