@@ -19,6 +19,20 @@ usage() {
   echo "environment: PYTHON (interpreter that creates the environment; default python3), VENV (its folder; default .venv),"
   echo "             TEST_WORKERS (processes that run the whole suite; default: the CPU count, at most 4)"
 }
+# pip's output in, one line per phase out, as it comes: every 10th package found, then the install's start
+progress() {
+  local line found=0 names
+  while IFS= read -r line; do
+    case "$line" in
+      "Collecting "*)
+        found=$((found + 1))
+        if [ $((found % 10)) -eq 1 ]; then echo "run.sh:   resolving: $found packages so far"; fi ;;
+      "Installing collected packages"*)
+        IFS=',' read -ra names <<< "${line#*: }"
+        echo "run.sh:   installing ${#names[@]} packages (the slow part) ..." ;;
+    esac
+  done
+}
 case "${1:-}" in
   demo|bench|test|python|--version) ;;
   -h|--help) usage; exit 0 ;;
@@ -31,16 +45,11 @@ if [ ! -f "$stamp" ]; then
   start=$(date +%s)
   "${PYTHON:-python3}" -m venv "$venv"
   log="$venv/pip-install.log"
-  # pip's own lines go to the log; the screen gets one line per phase (packages found, then installing)
+  # pip's own lines go to the log; the screen gets one line per phase (packages found, then installing), each as
+  # soon as pip prints it (progress reads line by line: awk reading a pipe may hold lines back until its buffer fills)
   set +e
-  "$venv/bin/python" -m pip install --disable-pip-version-check --progress-bar off \
-    --use-pep517 -r requirements.txt -c constraints.txt -e . 2>&1 | tee "$log" | awk '
-      /^Collecting / { n++; if (n % 10 == 1) { printf "run.sh:   resolving: %d packages so far\n", n; fflush() } }
-      /^Installing collected packages/ {
-        printf "run.sh:   installing %d packages (the slow part) ...\n", split(substr($0, index($0, ":") + 2), p, ", ")
-        fflush()
-      }
-    ' >&2
+  PYTHONUNBUFFERED=1 "$venv/bin/python" -m pip install --disable-pip-version-check --progress-bar off \
+    --use-pep517 -r requirements.txt -c constraints.txt -e . 2>&1 | tee "$log" | progress >&2
   status=${PIPESTATUS[0]}
   set -e
   if [ "$status" -ne 0 ]; then
@@ -85,6 +94,10 @@ case "$what" in
       echo "run.sh: ruff check (pyflakes, import order)" >&2
       "$venv/bin/ruff" check --quiet . || { echo "run.sh: ruff check failed; 'bash run.sh python -m ruff check --fix .' mends most of it" >&2; exit 1; }
     fi
+    # pytest prints nothing while it collects and starts its workers (about a minute for the whole suite)
+    if [ "${#selection[@]}" -gt 1 ]; then chosen="the whole suite (tests/ and the doctests)"; else chosen="the tests of the given paths"; fi
+    if [ "${#distribute[@]}" -gt 0 ]; then chosen="$chosen on $workers processes"; fi
+    echo "run.sh: collecting $chosen ..." >&2
     exec "$venv/bin/python" -m pytest "${selection[@]}" "${distribute[@]}" "$@" ;;
   python) exec "$venv/bin/python" "$@" ;;
 esac

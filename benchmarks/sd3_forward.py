@@ -53,11 +53,15 @@ CONFIGS: Dict[str, Dict[str, Any] | None] = {
     "ToDo, factor 2": dict(method="todo"),
 }
 # the configurations whose operators --ops-per-block counts; all but the first merge wherever they can (min_work=0:
-# on GPU kernels the default policy skips SD3 blocks below JOINT_MIN_WORK, which costs no operator at all)
+# on GPU kernels the default policy skips SD3 blocks below JOINT_MIN_WORK, which costs no operator at all). The ToMe
+# rows name share_plan: with its default ("auto") the GPU kernels share one plan per call between SD3's blocks, and
+# the plain settings would get the policy's downsampling of the image keys and values instead of ToMe's plan.
 OPS_CONFIGS: Dict[str, Dict[str, Any] | None] = {
     "vanilla": None,
-    "ToMe 0.5, attention": dict(ratio=0.5, min_work=0),
-    "ToMe 0.5, attention + MLP": dict(ratio=0.5, merge_mlp=True, min_work=0),
+    "ToMe 0.5, attention": dict(ratio=0.5, share_plan="block", min_work=0),
+    "ToMe 0.5, attention + MLP": dict(ratio=0.5, merge_mlp=True, share_plan="block", min_work=0),
+    "ToMe 0.5, attention, one plan per call": dict(ratio=0.5, share_plan="level", min_work=0),
+    "ToMe 0.5, attention + MLP, one plan per call": dict(ratio=0.5, merge_mlp=True, share_plan="level", min_work=0),
     "ToDo, factor 2": dict(method="todo", min_work=0),
 }
 
@@ -346,9 +350,11 @@ def main(argv: List[str] | None = None) -> Dict[str, Any]:
                   "batch": 2, "rows": rows}, argv, args.output)
 
 
-def write(result: Dict[str, Any], argv: List[str] | None, output: str | None) -> Dict[str, Any]:
-    """``result`` with the command that made it, written as JSON to ``output`` (when given)."""
-    result["command"] = "benchmarks/sd3_forward.py " + " ".join(argv if argv is not None else sys.argv[1:])
+def write(result: Dict[str, Any], argv: List[str] | None, output: str | None,
+          script: str = "benchmarks/sd3_forward.py") -> Dict[str, Any]:
+    """``result`` with the command that made it (``script`` and its arguments), written as JSON to ``output`` (when
+    given)."""
+    result["command"] = script + " " + " ".join(argv if argv is not None else sys.argv[1:])
     if output:
         os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
         with open(output, "w", encoding="utf-8") as handle:

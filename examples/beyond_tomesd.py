@@ -4,6 +4,8 @@ what it is (vanilla.png, tome_0.5.png, todo_x2.png, ...) plus all of them in one
 
     python examples/beyond_tomesd.py                                   # tiny built-in model, random weights
     python examples/beyond_tomesd.py --model /path/to/stable-diffusion-v1-5 --resolution 768 --steps 25
+
+Timings of the tiny default say nothing about speed (its attention is too small for merging to pay).
 """
 
 import argparse
@@ -11,16 +13,14 @@ import logging
 import os
 import time
 
-import ppdiffusers_tome  # noqa: F401  (imported first: it keeps the import-time warnings of Paddle quiet)
 import numpy as np
-import paddle
-
-from ppdiffusers_tome.tools.images import side_by_side
-from ppdiffusers_tome.tools.measure import psnr
-from ppdiffusers_tome.presets import DTYPES, check_dtype, load_local_pipeline, preset_pipeline
-from ppdiffusers_tome.quiet import configure_logging
 
 logger = logging.getLogger("beyond_tomesd")
+DTYPES = ("float32", "float16", "bfloat16")  # ppdiffusers_tome.presets.DTYPES, here before anything imports Paddle
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The docstring as written, and every option's default in --help."""
 
 # label: (file name, apply_tome options)
 CONFIGS = {
@@ -32,15 +32,29 @@ CONFIGS = {
 }
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", help="local pipeline folder; default: the tiny built-in preset")
-    parser.add_argument("--prompt", default="a harbour at dawn, fishing boats, mist")
-    parser.add_argument("--resolution", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--output", default=os.path.join("outputs", "examples", "beyond_tomesd"))
+def parse_args(argv=None):
+    """``(parser, args)``: the command line, read before Paddle is imported, so --help answers at once."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    parser.add_argument("--model", help="local pipeline folder; none: the tiny built-in preset")
+    parser.add_argument("--prompt", default="a harbour at dawn, fishing boats, mist", help="the prompt")
+    parser.add_argument("--resolution", type=int, default=64, help="image height and width in pixels")
+    parser.add_argument("--steps", type=int, default=6, help="denoising steps")
+    parser.add_argument("--output", default=os.path.join("outputs", "examples", "beyond_tomesd"),
+                        help="folder for the images")
     parser.add_argument("--dtype", choices=DTYPES, default="float32", help="float16/bfloat16 need a GPU build of Paddle")
-    args = parser.parse_args(argv)
+    return parser, parser.parse_args(argv)
+
+
+def main(argv=None):
+    parser, args = parse_args(argv)
+    import ppdiffusers_tome  # noqa: F401  (imported before Paddle: it keeps Paddle's import-time warnings quiet)
+    import paddle
+
+    from ppdiffusers_tome.presets import TINY_TIMINGS, check_dtype, load_local_pipeline, preset_pipeline
+    from ppdiffusers_tome.quiet import configure_logging
+    from ppdiffusers_tome.tools.images import side_by_side
+    from ppdiffusers_tome.tools.measure import psnr
+
     configure_logging()  # plain INFO lines (Paddle puts a timestamped handler on the root logger)
     try:
         check_dtype(args.dtype)
@@ -68,6 +82,8 @@ def main(argv=None):
         logger.info("%-36s %6.2f s  PSNR %s dB  -> %s", label, seconds,
                     "inf" if options is None else f"{psnr(reference, pixels):.1f}", path)
     pipe.remove_tome()
+    if not args.model:
+        logger.info("%s", TINY_TIMINGS)
     side_by_side(images, [name for name, _ in CONFIGS.values()]).save(os.path.join(args.output, "side_by_side.png"))
     logger.info("saved %d images and side_by_side.png in %s", len(images), os.path.abspath(args.output))
 

@@ -4,6 +4,8 @@ vanilla.png, tome.png and side_by_side.png (control | vanilla | ToMe).
 
     python examples/controlnet.py                                   # tiny built-in model with a ControlNet
     python examples/controlnet.py --model /path/to/sd15-controlnet-canny-pipeline --control edges.png --resolution 512
+
+Timings of the tiny default say nothing about speed (its attention is too small for merging to pay).
 """
 
 import argparse
@@ -11,16 +13,15 @@ import logging
 import os
 import time
 
-import ppdiffusers_tome  # noqa: F401  (imported first: it keeps the import-time warnings of Paddle quiet)
 import numpy as np
-import paddle
 from PIL import Image
 
-from ppdiffusers_tome.tools.images import side_by_side
-from ppdiffusers_tome.presets import DTYPES, check_dtype, load_local_pipeline, preset_pipeline
-from ppdiffusers_tome.quiet import configure_logging
-
 logger = logging.getLogger("controlnet")
+DTYPES = ("float32", "float16", "bfloat16")  # ppdiffusers_tome.presets.DTYPES, here before anything imports Paddle
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The docstring as written, and every option's default in --help."""
 
 
 def edge_map(size):
@@ -34,17 +35,30 @@ def edge_map(size):
     return Image.fromarray(np.stack([canvas] * 3, axis=-1))
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", help="local StableDiffusionControlNetPipeline folder; default: tiny preset")
-    parser.add_argument("--control", help="control image; default: a generated edge map")
-    parser.add_argument("--prompt", default="a cosy cottage in the woods, storybook illustration")
-    parser.add_argument("--resolution", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--ratio", type=float, default=0.5)
-    parser.add_argument("--output", default=os.path.join("outputs", "examples", "controlnet"))
+def parse_args(argv=None):
+    """``(parser, args)``: the command line, read before Paddle is imported, so --help answers at once."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    parser.add_argument("--model", help="local StableDiffusionControlNetPipeline folder; none: the tiny preset")
+    parser.add_argument("--control", help="control image; none: a generated edge map")
+    parser.add_argument("--prompt", default="a cosy cottage in the woods, storybook illustration", help="the prompt")
+    parser.add_argument("--resolution", type=int, default=64, help="image height and width in pixels")
+    parser.add_argument("--steps", type=int, default=4, help="denoising steps")
+    parser.add_argument("--ratio", type=float, default=0.5, help="ToMe's ratio: the share of tokens merged")
+    parser.add_argument("--output", default=os.path.join("outputs", "examples", "controlnet"),
+                        help="folder for the images")
     parser.add_argument("--dtype", choices=DTYPES, default="float32", help="float16/bfloat16 need a GPU build of Paddle")
-    args = parser.parse_args(argv)
+    return parser, parser.parse_args(argv)
+
+
+def main(argv=None):
+    parser, args = parse_args(argv)
+    import ppdiffusers_tome  # imported before Paddle: it keeps Paddle's import-time warnings quiet
+    import paddle
+
+    from ppdiffusers_tome.presets import TINY_TIMINGS, check_dtype, load_local_pipeline, preset_pipeline
+    from ppdiffusers_tome.quiet import configure_logging
+    from ppdiffusers_tome.tools.images import side_by_side
+
     configure_logging()  # plain INFO lines (Paddle puts a timestamped handler on the root logger)
     try:
         check_dtype(args.dtype)
@@ -71,6 +85,8 @@ def main(argv=None):
         logger.info("%s: %.2f s -> %s", "vanilla" if label == "vanilla" else f"ToMe ratio={args.ratio}",
                     seconds, path)
     logger.info("ToMe on each model: %s", ppdiffusers_tome.tome_status(pipe))
+    if not args.model:
+        logger.info("%s", TINY_TIMINGS)
     pipe.remove_tome()
     side_by_side([control.resize(images["vanilla"].size), images["vanilla"], images["tome"]],
                  ["control", "vanilla", f"ToMe {args.ratio}"]).save(os.path.join(args.output, "side_by_side.png"))

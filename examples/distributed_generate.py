@@ -21,16 +21,11 @@ import subprocess
 import sys
 import tempfile
 
-import ppdiffusers_tome  # noqa: F401  (imported first: it keeps the import-time warnings of Paddle quiet)
 import numpy as np
-import paddle
-import paddle.distributed as dist
 from PIL import Image
 
-from ppdiffusers_tome.presets import DTYPES, check_dtype, load_local_pipeline, preset_pipeline
-from ppdiffusers_tome.quiet import configure_logging
-
 logger = logging.getLogger("distributed_generate")
+DTYPES = ("float32", "float16", "bfloat16")  # ppdiffusers_tome.presets.DTYPES, here before anything imports Paddle
 
 PROMPTS = [
     "a lighthouse in a storm",
@@ -47,8 +42,14 @@ def under_launcher() -> bool:
     return "PADDLE_TRAINER_ID" in os.environ or "PADDLE_TRAINERS_NUM" in os.environ
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The docstring as written, and every option's default in --help."""
+
+
 def launch(nproc, argv):
     """Run this script on ``nproc`` processes with Paddle's launcher; returns its exit status."""
+    import paddle
+
     env = dict(os.environ)
     if not paddle.is_compiled_with_cuda():
         env.setdefault("PADDLE_DISTRI_BACKEND", "gloo")  # CPU processes talk over gloo
@@ -67,21 +68,34 @@ def launch(nproc, argv):
     return status
 
 
-def main(argv=None):
+def parse_args(argv):
+    """``(parser, args)``: the command line, read before Paddle is imported, so --help answers at once."""
     # no abbreviations: "--np 2" must not pass for --nproc, or it would survive the stripping below and relaunch
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     allow_abbrev=False)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter, allow_abbrev=False)
     parser.add_argument("--nproc", type=int, default=None,
-                        help="start this many processes with Paddle's launcher (GPUs, or CPU processes over gloo)")
-    parser.add_argument("--model", help="local pipeline folder; default: the tiny built-in preset")
-    parser.add_argument("--prompts", nargs="+", default=PROMPTS)
-    parser.add_argument("--resolution", type=int, default=32)
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--ratio", type=float, default=0.5)
-    parser.add_argument("--output", default=os.path.join("outputs", "examples", "distributed_generate"))
-    argv = sys.argv[1:] if argv is None else list(argv)
+                        help="start this many processes with Paddle's launcher (GPUs, or CPU processes over gloo); "
+                             "none: this process alone, or the ranks of a launcher that started it")
+    parser.add_argument("--model", help="local pipeline folder; none: the tiny built-in preset")
+    parser.add_argument("--prompts", nargs="+", default=PROMPTS, help="the prompts, one image each")
+    parser.add_argument("--resolution", type=int, default=32, help="image height and width in pixels")
+    parser.add_argument("--steps", type=int, default=3, help="denoising steps")
+    parser.add_argument("--ratio", type=float, default=0.5, help="ToMe's ratio: the share of tokens merged")
+    parser.add_argument("--output", default=os.path.join("outputs", "examples", "distributed_generate"),
+                        help="folder for the images")
     parser.add_argument("--dtype", choices=DTYPES, default="float32", help="float16/bfloat16 need a GPU build of Paddle")
-    args = parser.parse_args(argv)
+    return parser, parser.parse_args(argv)
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser, args = parse_args(argv)
+    import ppdiffusers_tome  # noqa: F401  (imported before Paddle: it keeps Paddle's import-time warnings quiet)
+    import paddle
+    import paddle.distributed as dist
+
+    from ppdiffusers_tome.presets import check_dtype, load_local_pipeline, preset_pipeline
+    from ppdiffusers_tome.quiet import configure_logging
+
     configure_logging()  # plain INFO lines (Paddle puts a timestamped handler on the root logger)
     try:
         check_dtype(args.dtype)

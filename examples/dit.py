@@ -11,26 +11,38 @@ import argparse
 import logging
 import os
 
-import ppdiffusers_tome  # noqa: F401  (imported first: it keeps the import-time warnings of Paddle quiet)
-import paddle
-
-from ppdiffusers_tome.presets import DTYPES, check_dtype, load_local_pipeline
-from ppdiffusers_tome.quiet import configure_logging
-from ppdiffusers_tome.testing import tiny_dit_pipeline
-
 logger = logging.getLogger("dit")
+DTYPES = ("float32", "float16", "bfloat16")  # ppdiffusers_tome.presets.DTYPES, here before anything imports Paddle
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The docstring as written, and every option's default in --help."""
+
+
+def parse_args(argv=None):
+    """``(parser, args)``: the command line, read before Paddle is imported, so --help answers at once."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    parser.add_argument("--model", help="local DiT pipeline folder; none: a tiny DiT-style pipeline")
+    parser.add_argument("--labels", type=int, nargs="+", default=[207, 360], help="ImageNet class ids")
+    parser.add_argument("--steps", type=int, default=4, help="denoising steps")
+    parser.add_argument("--ratio", type=float, default=0.5, help="ToMe's ratio: the share of tokens merged")
+    parser.add_argument("--method", choices=["tome", "todo"], default="tome",
+                        help="tome: merge tokens; todo: downsample keys and values")
+    parser.add_argument("--output", default=os.path.join("outputs", "examples", "dit"),
+                        help="folder for the images")
+    parser.add_argument("--dtype", choices=DTYPES, default="float32", help="float16/bfloat16 need a GPU build of Paddle")
+    return parser, parser.parse_args(argv)
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", help="local DiT pipeline folder; default: a tiny DiT-style pipeline")
-    parser.add_argument("--labels", type=int, nargs="+", default=[207, 360], help="ImageNet class ids")
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--ratio", type=float, default=0.5)
-    parser.add_argument("--method", choices=["tome", "todo"], default="tome")
-    parser.add_argument("--output", default=os.path.join("outputs", "examples", "dit"))
-    parser.add_argument("--dtype", choices=DTYPES, default="float32", help="float16/bfloat16 need a GPU build of Paddle")
-    args = parser.parse_args(argv)
+    parser, args = parse_args(argv)
+    import ppdiffusers_tome  # imported before Paddle: it keeps Paddle's import-time warnings quiet
+    import paddle
+
+    from ppdiffusers_tome.presets import check_dtype, load_local_pipeline
+    from ppdiffusers_tome.quiet import configure_logging
+    from ppdiffusers_tome.testing import tiny_dit_pipeline
+
     configure_logging()  # plain INFO lines (Paddle puts a timestamped handler on the root logger)
     try:
         check_dtype(args.dtype)

@@ -8,18 +8,15 @@ import argparse
 import logging
 import os
 
-import ppdiffusers_tome  # noqa: F401  (imported first: it keeps the import-time warnings of Paddle quiet)
 import numpy as np
-import paddle
 from PIL import Image
 
-from ppdiffusers_tome.tools.images import side_by_side
-from ppdiffusers_tome.tome.patch import get_patch
-from ppdiffusers_tome.quiet import configure_logging
-from ppdiffusers_tome.presets import DTYPES, check_dtype
-from ppdiffusers_tome.testing import tiny_controlnet_pipeline
-
 logger = logging.getLogger("multi_controlnet")
+DTYPES = ("float32", "float16", "bfloat16")  # ppdiffusers_tome.presets.DTYPES, here before anything imports Paddle
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The docstring as written, and every option's default in --help."""
 
 
 def conditions(size):
@@ -31,15 +28,30 @@ def conditions(size):
     return [Image.fromarray(stripes), Image.fromarray(square)]
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(argv=None):
+    """``(parser, args)``: the command line, read before Paddle is imported, so --help answers at once."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--prompt", default="stained glass", help="short: the tiny tokenizer keeps 14 characters")
-    parser.add_argument("--resolution", type=int, default=32)
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--ratio", type=float, default=0.5)
-    parser.add_argument("--output", default=os.path.join("outputs", "examples", "multi_controlnet"))
+    parser.add_argument("--resolution", type=int, default=32, help="image height and width in pixels")
+    parser.add_argument("--steps", type=int, default=3, help="denoising steps")
+    parser.add_argument("--ratio", type=float, default=0.5, help="ToMe's ratio: the share of tokens merged")
+    parser.add_argument("--output", default=os.path.join("outputs", "examples", "multi_controlnet"),
+                        help="folder for the images")
     parser.add_argument("--dtype", choices=DTYPES, default="float32", help="float16/bfloat16 need a GPU build of Paddle")
-    args = parser.parse_args(argv)
+    return parser, parser.parse_args(argv)
+
+
+def main(argv=None):
+    parser, args = parse_args(argv)
+    import ppdiffusers_tome  # imported before Paddle: it keeps Paddle's import-time warnings quiet
+    import paddle
+
+    from ppdiffusers_tome.tome.patch import get_patch
+    from ppdiffusers_tome.presets import check_dtype
+    from ppdiffusers_tome.quiet import configure_logging
+    from ppdiffusers_tome.testing import tiny_controlnet_pipeline
+    from ppdiffusers_tome.tools.images import side_by_side
+
     configure_logging()  # plain INFO lines (Paddle puts a timestamped handler on the root logger)
     try:
         check_dtype(args.dtype)

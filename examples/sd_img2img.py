@@ -8,15 +8,15 @@ import argparse
 import logging
 import os
 
-import ppdiffusers_tome  # noqa: F401  (imported first: it keeps the import-time warnings of Paddle quiet)
 import numpy as np
-import paddle
 from PIL import Image
 
-from ppdiffusers_tome.presets import DTYPES, check_dtype, load_local_pipeline, preset_pipeline
-from ppdiffusers_tome.quiet import configure_logging
-
 logger = logging.getLogger("sd_img2img")
+DTYPES = ("float32", "float16", "bfloat16")  # ppdiffusers_tome.presets.DTYPES, here before anything imports Paddle
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The docstring as written, and every option's default in --help."""
 
 
 def start_image(path, size):
@@ -29,18 +29,30 @@ def start_image(path, size):
     return Image.fromarray((rgb * 255).astype("uint8"))
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", help="local pipeline folder; default: the tiny built-in preset")
-    parser.add_argument("--image", help="start image; default: a generated gradient")
-    parser.add_argument("--prompt", default="an oil painting of a sunrise over the sea")
-    parser.add_argument("--resolution", type=int, default=64)
-    parser.add_argument("--strength", type=float, default=0.7)
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--ratio", type=float, default=0.5)
-    parser.add_argument("--output", default=os.path.join("outputs", "examples", "sd_img2img"))
+def parse_args(argv=None):
+    """``(parser, args)``: the command line, read before Paddle is imported, so --help answers at once."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    parser.add_argument("--model", help="local pipeline folder; none: the tiny built-in preset")
+    parser.add_argument("--image", help="start image; none: a generated gradient")
+    parser.add_argument("--prompt", default="an oil painting of a sunrise over the sea", help="the prompt")
+    parser.add_argument("--resolution", type=int, default=64, help="image height and width in pixels")
+    parser.add_argument("--strength", type=float, default=0.7, help="how much of the start image is re-painted")
+    parser.add_argument("--steps", type=int, default=6, help="denoising steps")
+    parser.add_argument("--ratio", type=float, default=0.5, help="ToMe's ratio: the share of tokens merged")
+    parser.add_argument("--output", default=os.path.join("outputs", "examples", "sd_img2img"),
+                        help="folder for the images")
     parser.add_argument("--dtype", choices=DTYPES, default="float32", help="float16/bfloat16 need a GPU build of Paddle")
-    args = parser.parse_args(argv)
+    return parser, parser.parse_args(argv)
+
+
+def main(argv=None):
+    parser, args = parse_args(argv)
+    import ppdiffusers_tome  # imported before Paddle: it keeps Paddle's import-time warnings quiet
+    import paddle
+
+    from ppdiffusers_tome.presets import check_dtype, load_local_pipeline, preset_pipeline
+    from ppdiffusers_tome.quiet import configure_logging
+
     configure_logging()  # plain INFO lines (Paddle puts a timestamped handler on the root logger)
     try:
         check_dtype(args.dtype)

@@ -13,10 +13,17 @@ from typing import Any, Dict, List, Optional, Tuple
 import paddle
 from ppdiffusers import DiffusionPipeline, ModelMixin
 
-from .cache.step_cache import apply_cache, get_cache, remove_cache
+from .cache.step_cache import _apply_cache, apply_cache, get_cache, remove_cache
 from .core.calls import refuse_if_running
 from .core.registry import original_class, set_original_class
-from .core.targets import fused_sd3_reason, is_fused_sd3, is_multi_controlnet, pipeline_candidates, resolve
+from .core.targets import (
+    fused_sd3_reason,
+    is_fused_sd3,
+    is_multi_controlnet,
+    keyword_call,
+    pipeline_candidates,
+    resolve,
+)
 from .tome.config import ToMeConfig
 from .tome.patch import PATCH_LOCK, ModelPatch, find_blocks, get_patch
 
@@ -132,9 +139,10 @@ def _has_blocks(model: paddle.nn.Layer) -> bool:
     return bool(find_blocks(model))
 
 
-def _targets(obj: Any, for_apply: bool) -> List[Tuple[str, paddle.nn.Layer]]:
-    """Resolve what ``obj`` means: every model to patch, as ``(name, model)``. Raises ValueError on bad input."""
-    pipeline, targets = resolve(obj, "apply_tome/remove_tome", _has_blocks)
+def _targets(obj: Any, for_apply: bool, what: str) -> List[Tuple[str, paddle.nn.Layer]]:
+    """Resolve what ``obj`` means: every model to patch, as ``(name, model)``. Raises ValueError on bad input, naming
+    ``what``, the function called."""
+    pipeline, targets = resolve(obj, what, _has_blocks)
     if not for_apply:
         return targets
     if pipeline is not None and not targets:
@@ -169,7 +177,7 @@ def tome_models(obj: Any, patchable: bool = False) -> List[Tuple[str, paddle.nn.
         >>> [name for name, _ in tome_models(tiny_controlnet_pipeline(num_controlnets=2))]
         ['unet', 'controlnet.nets.0', 'controlnet.nets.1']
     """
-    return _targets(obj, for_apply=patchable)
+    return _targets(obj, for_apply=patchable, what="tome_models")
 
 
 def apply_tome(obj: Any, config: Optional[ToMeConfig] = None, **options: Any) -> Any:
@@ -205,8 +213,14 @@ def apply_tome(obj: Any, config: Optional[ToMeConfig] = None, **options: Any) ->
         0.5
         >>> pipe = ppdiffusers_tome.remove_tome(pipe)
     """
-    config = _config_from(config, options)
-    targets = _targets(obj, for_apply=True)
+    return _apply_tome(obj, config, options, method=False)
+
+
+def _apply_tome(obj: Any, config: Any, options: Dict[str, Any], method: bool) -> Any:
+    """:func:`apply_tome` called as a function (``method=False``) or as the method ``obj.apply_tome`` (``True``):
+    the errors name the form the caller used."""
+    config = _config_from(config, options, obj, method)
+    targets = _targets(obj, for_apply=True, what="apply_tome")
     _warn_if_half_on_cpu(targets)
     with PATCH_LOCK:  # atomic: threads applying and removing at once leave one patch per model, or none
         _install_everywhere(targets, config, _train_timesteps(obj))
@@ -216,11 +230,14 @@ def apply_tome(obj: Any, config: Optional[ToMeConfig] = None, **options: Any) ->
     return obj
 
 
-def _config_from(config: Any, options: Dict[str, Any]) -> ToMeConfig:
-    """The config of an ``apply_tome`` call: ``config`` (or the defaults) with ``options`` put in; an unknown option
-    or a ``config`` that is not a :class:`ToMeConfig` raises ``ValueError`` naming it."""
+def _config_from(config: Any, options: Dict[str, Any], obj: Any, method: bool) -> ToMeConfig:
+    """The config of an ``apply_tome`` call on ``obj`` (the method form with ``method``): ``config`` (or the
+    defaults) with ``options`` put in; an unknown option or a ``config`` that is not a :class:`ToMeConfig` raises
+    ``ValueError`` naming it (a number there is taken for a ratio, and the hint writes the call in the caller's
+    form)."""
     if config is not None and not isinstance(config, ToMeConfig):
-        hint = " (the ratio is a keyword: apply_tome(pipe, ratio=0.5))" if isinstance(config, (int, float)) else ""
+        meant = keyword_call(obj, "apply_tome", "ratio", config, method)
+        hint = f" (the ratio is a keyword: {meant})" if isinstance(config, (int, float)) else ""
         raise ValueError(f"config must be None or a ToMeConfig; got {type(config).__name__} {config!r}{hint}")
     unknown = sorted(set(options) - set(_FIELDS))
     if unknown:
@@ -302,7 +319,7 @@ def remove_tome(obj: Any) -> Any:
         >>> ppdiffusers_tome.tome_config(unet) is None
         True
     """
-    targets = _targets(obj, for_apply=False)
+    targets = _targets(obj, for_apply=False, what="remove_tome")
     with PATCH_LOCK:  # atomic with respect to apply_tome/remove_tome in other threads
         for name, model in targets:
             patch = get_patch(model)
@@ -327,7 +344,7 @@ def reset_tome(obj: Any) -> Any:
         >>> ppdiffusers_tome.reset_tome(unet) is unet
         True
     """
-    for _, model in _targets(obj, for_apply=False):
+    for _, model in _targets(obj, for_apply=False, what="reset_tome"):
         patch = get_patch(model)
         if patch is not None:
             patch.reset()
@@ -357,7 +374,7 @@ def tome_config(obj: Any) -> Optional[ToMeConfig]:
         return patch.config
     if not (isinstance(obj, (DiffusionPipeline, list, tuple)) or is_multi_controlnet(obj)):
         return None
-    found = [(name, get_patch(model)) for name, model in _targets(obj, for_apply=False)]
+    found = [(name, get_patch(model)) for name, model in _targets(obj, for_apply=False, what="tome_config")]
     configs = [(name, patch.config) for name, patch in found if patch is not None]
     if not configs:
         return None
@@ -395,8 +412,10 @@ def tome_status(obj: Any) -> Dict[str, Dict[str, Any]]:
       port's arguments), or ``None``;
     * ``"blocks"``: how many transformer blocks it patched (0 when none);
     * ``"policy"`` (this package only): what the policy chose at each token count seen so far, ``{tokens:
-      {"action", "kernels", "batch", "tokens", "work", "min_work", "why"}}``; ``action`` is ``"merge"`` (the
-      settings' plan), ``"pool"`` (K/V pooling) or ``"skip"``, and ``why`` says it in one line with the numbers;
+      {"action", "kernels", "batch", "tokens", "work", "min_work", "shared", "why"}}``; ``action`` is ``"merge"``
+      (the settings' plan), ``"pool"`` (K/V pooling; on SD3, of the image keys and values) or ``"skip"``,
+      ``shared`` says whether a merge plan is made once per call for every block at that token count, and ``why``
+      says it in one line with the numbers;
     * ``"cache"``: the step cache on the model (:func:`ppdiffusers_tome.apply_cache`), as
       :func:`~ppdiffusers_tome.cache.step_cache.cache_status` gives it, or ``None``.
 
@@ -409,7 +428,7 @@ def tome_status(obj: Any) -> Dict[str, Dict[str, Any]]:
         ('ppdiffusers_tome', 0.3, 3)
     """
     status: Dict[str, Dict[str, Any]] = {}
-    for name, model in _targets(obj, for_apply=False):
+    for name, model in _targets(obj, for_apply=False, what="tome_status"):
         patch = get_patch(model)
         builtin_blocks, builtin_settings = _builtin_patch(model)
         active = [label for label, on in (("ppdiffusers_tome", patch is not None), ("builtin", builtin_blocks)) if on]
@@ -430,9 +449,9 @@ def tome_stats(obj: Any) -> Dict[str, Dict[str, int]]:
     """Counters per patched model of ``obj``, all since ``apply_tome``: ``blocks`` patched, forward ``calls`` seen,
     sub-layer ``merges`` run on merged (or, with ToDo, downsampled) tokens, merge plans ``plans_computed``
     (matching run), ``plans_reused`` (taken from the cache of ``recompute_every``) and ``plans_shared`` (taken from
-    an earlier block of the same call with ``share_plan="level"``), ``blocks_skipped``: block calls that would
-    have merged but were below ``min_tokens`` or the policy's ``min_work``, and ``blocks_pooled``: block calls whose
-    keys and values the policy pooled instead of merging.
+    an earlier block of the same call: ``share_plan="level"``, or SD3 on GPU kernels), ``blocks_skipped``: block
+    calls that would have merged but were below ``min_tokens`` or the policy's ``min_work``, and ``blocks_pooled``:
+    block calls whose keys and values the policy pooled instead of merging.
 
     Example:
         >>> import ppdiffusers_tome
@@ -442,7 +461,7 @@ def tome_stats(obj: Any) -> Dict[str, Dict[str, int]]:
         ['blocks', 'blocks_pooled', 'blocks_skipped', 'calls', 'merges', 'plans_computed', 'plans_reused', 'plans_shared']
     """
     stats = {}
-    for name, model in _targets(obj, for_apply=False):
+    for name, model in _targets(obj, for_apply=False, what="tome_stats"):
         patch = get_patch(model)
         if patch is not None:
             stats[name] = {"blocks": len(patch.blocks), **patch.counters.as_dict()}
@@ -450,8 +469,8 @@ def tome_stats(obj: Any) -> Dict[str, Dict[str, int]]:
 
 
 # methods on ppdiffusers classes ---------------------------------------------------------------------------------
-def _apply_method(self, *args, **kwargs):
-    return apply_tome(self, *args, **kwargs)
+def _apply_method(self, config=None, **options):
+    return _apply_tome(self, config, options, method=True)
 
 
 def _remove_method(self, only_return_self: bool = True):
@@ -459,7 +478,7 @@ def _remove_method(self, only_return_self: bool = True):
     remove_tome(self)
     if only_return_self:
         return self
-    return self, [model for _, model in _targets(self, for_apply=False)]
+    return self, [model for _, model in _targets(self, for_apply=False, what="remove_tome")]
 
 
 _apply_method.__doc__ = apply_tome.__doc__
@@ -470,8 +489,8 @@ _apply_method.__signature__ = inspect.signature(apply_tome).replace(  # what hel
 _remove_method.__doc__ = remove_tome.__doc__
 _apply_method.__name__, _remove_method.__name__ = "apply_tome", "remove_tome"
 
-def _apply_cache_method(self, *args, **kwargs):
-    return apply_cache(self, *args, **kwargs)
+def _apply_cache_method(self, config=None, **options):
+    return _apply_cache(self, config, options, method=True)
 
 
 def _remove_cache_method(self):

@@ -8,9 +8,12 @@ and :mod:`ppdiffusers_tome.tome.joint_attention`) are built from the modules tha
 pickled by 0.14 load through the same paths. This module imports nothing of the package until an old path is asked
 for, and ``import ppdiffusers_tome`` installs it.
 
->>> import ppdiffusers_tome.patch
+>>> import warnings
 >>> from ppdiffusers_tome.tome import patch
->>> ppdiffusers_tome.patch is patch
+>>> with warnings.catch_warnings(record=True):  # a FutureWarning names the new path
+...     warnings.simplefilter("always")
+...     import ppdiffusers_tome.patch as old
+>>> old is patch
 True
 """
 

@@ -14,9 +14,10 @@ import sys
 from typing import Optional, Sequence, Tuple
 
 import numpy as np
-import paddle
 from PIL import Image, ImageDraw
 
+import ppdiffusers_tome  # noqa: F401  (imported before Paddle: it keeps Paddle's import-time warnings quiet)
+import paddle
 from ppdiffusers_tome.ops.global_plan import bipartite_soft_matching_random2d
 from ppdiffusers_tome.tools.images import save_png
 

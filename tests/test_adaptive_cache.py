@@ -5,6 +5,7 @@ forecast against the extrapolation computed by hand; refusals, threads, copies, 
 
 import copy
 import pickle
+import warnings
 
 import numpy as np
 import paddle
@@ -245,14 +246,52 @@ def test_each_call_site_decides_on_its_own_signal_as_if_it_ran_alone(kind):
 
 
 def test_two_pipelines_sharing_a_unet_each_start_with_a_fresh_signal(init_image):
-    pipe = tiny_sd_pipeline().apply_cache(threshold=0.3)
+    pipe = tiny_sd_pipeline().apply_cache(threshold=0.8)
     img2img = StableDiffusionImg2ImgPipeline(**pipe.components)
-    alone = run(img2img, steps=6, image=init_image, strength=0.9)
-    full = ppdiffusers_tome.cache_status(pipe)["unet"]["last_full_steps"]
+    alone = run(img2img, steps=6, image=init_image, strength=0.9)  # 5 denoising steps
+    status = ppdiffusers_tome.cache_status(pipe)["unet"]
+    full, cached = status["last_full_steps"], status["last_cached_steps"]
     run(pipe, steps=6)
+    assert ppdiffusers_tome.cache_status(pipe)["unet"]["last_cached_steps"]  # the other pipeline cached too
     np.testing.assert_array_equal(run(img2img, steps=6, image=init_image, strength=0.9), alone)
-    assert ppdiffusers_tome.cache_status(pipe)["unet"]["last_full_steps"] == full
-    assert ppdiffusers_tome.cache_status(pipe)["unet"]["cached_calls"] > 0
+    status = ppdiffusers_tome.cache_status(pipe)["unet"]
+    assert (status["last_full_steps"], status["last_cached_steps"]) == (full, cached) and cached
+
+
+@pytest.mark.parametrize("at", [2, 3], ids=["cached-step", "full-step"])
+def test_an_interrupted_call_leaves_the_rules_sum_and_signal_as_it_found_them(at):
+    """Ctrl-C late in a call (in conv_out, on other latents) is no step and changes nothing the rule remembers: the
+    retried step and the steps after it decide and compute what an uninterrupted run does."""
+    expected_model = ppdiffusers_tome.apply_cache(tiny_unet(), threshold=0.12)
+    expected = [output(expected_model, unet_step(step)) for step in range(len(DRIFT))]
+    unet = ppdiffusers_tome.apply_cache(tiny_unet(), threshold=0.12)
+    got = [output(unet, unet_step(step)) for step in range(at)]
+
+    def interrupt(*_):
+        raise KeyboardInterrupt
+
+    handle = unet.conv_out.register_forward_pre_hook(interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        output(unet, unet_step(at, seed=9))
+    handle.remove()
+    got += [output(unet, unet_step(step)) for step in range(at, len(DRIFT))]
+    np.testing.assert_array_equal(np.stack(got), np.stack(expected))
+    status, reference = (ppdiffusers_tome.cache_status(m)["UNet2DConditionModel"] for m in (unet, expected_model))
+    assert status["last_full_steps"] == reference["last_full_steps"] == [0, 3, 6]
+    assert (status["calls"], status["cached_calls"]) == (len(DRIFT), len(DRIFT) - 3)
+
+
+def test_a_pipeline_call_the_rule_cached_nothing_in_warns_once_and_threshold_0_never():
+    pipe = tiny_sd_pipeline().apply_cache(threshold=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        run(pipe, steps=4)  # every step full, as asked: no warning
+    pipe.apply_cache(threshold=1e-6)
+    with pytest.warns(UserWarning, match=r"ran every call .* in full .*threshold=1e-06 .*a larger threshold"):
+        run(pipe, steps=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        run(pipe, steps=4)  # said once
 
 
 # the forecast ------------------------------------------------------------------------------------------------------

@@ -135,11 +135,27 @@ def test_objects_without_transformer_blocks_are_refused():
 
 
 @pytest.mark.parametrize("thing", ["unet", 3, None, {"unet": 1}, [], ["unet"]])
-def test_non_pipelines_and_non_models_are_refused(thing):
-    with pytest.raises(ValueError, match="expects a ppdiffusers DiffusionPipeline"):
-        ppdiffusers_tome.apply_tome(thing)
-    with pytest.raises(ValueError, match="expects a ppdiffusers DiffusionPipeline"):
-        ppdiffusers_tome.remove_tome(thing)
+def test_non_pipelines_and_non_models_are_refused_naming_the_function_called(thing):
+    functions = [ppdiffusers_tome.apply_tome, ppdiffusers_tome.remove_tome, ppdiffusers_tome.reset_tome,
+                 ppdiffusers_tome.tome_status, ppdiffusers_tome.tome_stats, ppdiffusers_tome.apply_cache,
+                 ppdiffusers_tome.remove_cache, ppdiffusers_tome.reset_cache, ppdiffusers_tome.cache_status]
+    for function in functions:
+        with pytest.raises(ValueError, match=f"^{function.__name__} expects a ppdiffusers DiffusionPipeline"):
+            function(thing)
+    if isinstance(thing, list):
+        with pytest.raises(ValueError, match="^tome_config expects a ppdiffusers DiffusionPipeline"):
+            ppdiffusers_tome.tome_config(thing)
+    else:  # (what is neither a pipeline nor a list has no config to report)
+        assert ppdiffusers_tome.tome_config(thing) is None
+
+
+def test_a_positional_interval_is_refused_with_the_call_written_as_the_caller_wrote_it():
+    pipe = tiny_sd_pipeline()
+    with pytest.raises(ValueError, match=r"the interval is a keyword: apply_cache\(pipe, interval=3\)\)"):
+        ppdiffusers_tome.apply_cache(pipe, 3)
+    with pytest.raises(ValueError, match=r"the interval is a keyword: pipe\.apply_cache\(interval=2\)\)"):
+        pipe.apply_cache(2)
+    assert ppdiffusers_tome.cache_status(pipe)["unet"] is None  # nothing was put on
 
 
 def test_a_failure_half_way_restores_the_previous_state(monkeypatch):
@@ -442,11 +458,13 @@ def test_tome_config_round_trips_to_bit_identical_outputs():
         (lambda pipe: ppdiffusers_tome.apply_tome(pipe, max_downsampling=2, use_random=True),
          r"unknown option\(s\) max_downsampling, use_random;"),
         (lambda pipe: pipe.apply_tome(merge_attention=False), r"unknown option\(s\) merge_attention;"),
-        (lambda pipe: ppdiffusers_tome.apply_tome(pipe, 0.5), r"the ratio is a keyword: apply_tome\(pipe, ratio=0.5\)"),
-        (lambda pipe: pipe.apply_tome(0.5), r"the ratio is a keyword"),
+        (lambda pipe: ppdiffusers_tome.apply_tome(pipe, 0.5), r"the ratio is a keyword: apply_tome\(pipe, ratio=0.5\)\)"),
+        (lambda pipe: pipe.apply_tome(0.4), r"the ratio is a keyword: pipe\.apply_tome\(ratio=0.4\)\)"),  # as called
+        (lambda pipe: pipe.unet.apply_tome(0.5), r"the ratio is a keyword: model\.apply_tome\(ratio=0.5\)\)"),
         (lambda pipe: ppdiffusers_tome.apply_tome(pipe, config={"ratio": 0.5}), r"config must be None or a ToMeConfig; got dict"),
     ],
-    ids=["misspelt", "two_unknown", "method", "positional_ratio", "method_positional_ratio", "dict_config"],
+    ids=["misspelt", "two_unknown", "method", "positional_ratio", "method_positional_ratio", "model_method_ratio",
+         "dict_config"],
 )
 def test_unknown_options_and_a_positional_ratio_are_refused_by_name(call, message):
     pipe = tiny_sd_pipeline().apply_tome(ratio=0.3)

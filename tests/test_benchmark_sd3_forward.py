@@ -48,6 +48,16 @@ def test_a_tome_sd3_block_on_gpu_kernels_adds_at_most_45_operators_and_todo_3(ti
     assert tiny_rows["gpu", "ToDo, factor 2"]["by_name"].get("strided_slice") == 1
 
 
+@pytest.mark.parametrize("part", ["attention", "attention + MLP"])
+def test_with_one_plan_per_call_a_later_sd3_block_adds_at_most_half_what_a_plan_per_block_adds(tiny_rows, part):
+    # a block call after the one that planned: only the merge and unmerge of the shared plan (9 operators, 18 with
+    # the MLP, on the GPU kernels when this test was written), against 42 and 51 with a plan of its own
+    own = tiny_rows["gpu", f"ToMe 0.5, {part}"]
+    shared = tiny_rows["gpu", f"ToMe 0.5, {part}, one plan per call"]
+    assert 0 < shared["added"] <= own["added"] / 2, (shared["added"], own["added"])
+    assert shared["first_block_ops"] > shared["ops"]  # the first block of a call made the plan
+
+
 def test_ops_per_block_mode_times_nothing_and_writes_json(sd3_forward, tmp_path, monkeypatch):
     monkeypatch.setattr(sd3_forward, "narrow_sd3", lambda layers, width: tiny_sd3_transformer(num_layers=layers))
     monkeypatch.setattr(sd3_forward, "measure", lambda *args: pytest.fail("--ops-per-block must not time"))

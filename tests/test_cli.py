@@ -78,7 +78,6 @@ def test_demo_loads_a_local_pipeline_folder(tmp_path):
 @pytest.mark.parametrize(
     "args,message",
     [
-        (["--ratios", "0.9"], "ratio must be in"),
         (["--max-downsample", "3"], "max_downsample must be 'auto' or one of"),
         (["--model", "/nonexistent/folder"], "--model must be a local pipeline folder"),
         (["--dtype", "float16"], "needs a GPU"),
@@ -368,6 +367,20 @@ def test_command_line_output_has_no_third_party_noise(tmp_path):
     assert "building preset tiny with random weights" in done.stderr.splitlines()[0]
 
 
+def test_a_cache_row_too_short_to_cache_says_so_once_as_a_plain_line(tmp_path, capsys, caplog):
+    """At --steps 1 the step cache row has no cached step: the library warns at every run (each run applies the cache
+    anew); the demo says it once, as a log line, and no Python warning reaches its output."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert main(["demo", *TINY, "--steps", "1", "--ratios", "0.5", "--repeats", "2", "--output", str(tmp_path)]) == 0
+    said = [r.getMessage() for r in caplog.records if "ran every call of a pipeline call in full" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("tome@0.5") and "first cached step is step 1" in said[0], said
+    assert not [w for w in caught if "step cache" in str(w.message)]
+    assert "UserWarning" not in capsys.readouterr().err
+
+
 def test_library_import_leaves_warnings_and_logging_alone():
     """A plain ``import ppdiffusers_tome`` silences Paddle's two import warnings for the length of its own import
     only (examples import it first for that): afterwards the warning filters are exactly the application's."""
@@ -487,6 +500,53 @@ def test_bench_warmup_must_be_a_whole_number_of_runs(value, capsys):
     assert "argument --warmup: must be an integer >= 0" in err and value in err
 
 
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "NaN", "1e999", "strong"])
+def test_demo_guidance_scale_must_be_a_finite_number(value, capsys):
+    """Every other numeric option was refused up front; ``nan`` and ``inf`` ran and wrote NaN images."""
+    from ppdiffusers_tome.tools.cli import build_parser
+
+    with pytest.raises(SystemExit) as done:
+        build_parser().parse_args(["demo", f"--guidance-scale={value}"])  # (= form: "-inf" is no option)
+    assert done.value.code == 2
+    assert "argument --guidance-scale: must be a finite number" in capsys.readouterr().err
+
+
+def test_a_finite_guidance_scale_is_accepted():
+    from ppdiffusers_tome.tools.cli import build_parser
+
+    assert [build_parser().parse_args(["demo", "--guidance-scale", v]).guidance_scale for v in ("7.5", "0", "-1")] \
+        == [7.5, 0.0, -1.0]
+
+
+@pytest.mark.parametrize("command", ["demo", "bench"])
+@pytest.mark.parametrize("value", ["0.75", "0.9", "1", "-0.1", "nan", "inf", "half"])
+def test_ratios_outside_the_range_in_help_are_refused_naming_the_option(command, value, capsys):
+    """bench's help said each ratio was in [0, 1) while 0.75 and above were refused at the default strides, by a
+    message that named ``ratio``, not ``--ratios``."""
+    from ppdiffusers_tome.tools.cli import build_parser
+
+    with pytest.raises(SystemExit) as done:
+        build_parser().parse_args([command, "--ratios", "0.5", value])
+    assert done.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --ratios: must be a number in [0, 0.75)" in err and value in err
+
+
+@pytest.mark.parametrize("command", ["demo", "bench"])
+def test_the_help_of_ratios_gives_the_range_the_parser_accepts(command, capsys):
+    from ppdiffusers_tome.ops.partition import max_ratio
+    from ppdiffusers_tome.tome.config import ToMeConfig
+    from ppdiffusers_tome.tools.cli import RATIO_LIMIT, build_parser
+
+    config = ToMeConfig()
+    assert RATIO_LIMIT == max_ratio(config.sx, config.sy) == 0.75  # ToMe's limit at its default strides
+    assert build_parser().parse_args([command, "--ratios", "0", "0.74"]).ratios == [0.0, 0.74]
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "each in [0, 0.75)" in text and "[0, 1)" not in text
+
+
 def test_bench_warmup_zero_is_accepted():
     from ppdiffusers_tome.tools.cli import build_parser
 
@@ -598,6 +658,9 @@ def test_ctrl_c_during_the_demo_keeps_the_finished_rounds(tmp_path, capsys, monk
     record = read_record(tmp_path)
     assert record["complete"] is False and record["timed_runs_done"] == 1
     assert [(r["method"], len(r["runs_seconds"])) for r in record["results"]] == [("vanilla", 1), ("tome", 1)]
+    note = next(text for text in record["warnings"] if text.startswith("NOTE: one timed run"))
+    assert "--repeats 1" not in note  # (the option the user did not pass)
+    assert "(the run was stopped after the first of its 3)" in note and "finishes its 3 timed runs" in note
     with Image.open(tmp_path / "demo.png") as png:
         png.verify()
 

@@ -1,7 +1,11 @@
-"""Every script in examples/ runs end to end on its tiny default, so no example can rot."""
+"""Every script in examples/ runs end to end on its tiny default, so no example can rot; each reads its command line
+before it imports Paddle, so --help (with every default) answers at once."""
 
+import json
 import os
+import re
 import runpy
+import subprocess
 import sys
 
 import numpy as np
@@ -28,6 +32,8 @@ SAVED = {
 }
 # the examples that end by saying where their images are
 SAYS_WHERE = ("controlnet.py", "multi_controlnet.py", "sdxl.py", "dit.py", "beyond_tomesd.py", "sd3.py")
+# the examples that print timings: on their tiny default they say that these timings are no measurement
+TIMED = ("sd_txt2img.py", "controlnet.py", "sd3.py", "beyond_tomesd.py", "benchmark.py")
 
 
 def test_there_are_examples():
@@ -70,6 +76,10 @@ def test_example_runs_on_its_tiny_default(script, tmp_path, monkeypatch, caplog,
         assert np.array_equal(strip[-layout.tile[1]:, left:right], enlarged)
     if script in SAYS_WHERE:
         assert os.path.abspath(tmp_path) in caplog.text
+    if script in TIMED:
+        from ppdiffusers_tome.presets import TINY_TIMINGS
+
+        assert TINY_TIMINGS in caplog.text
     captured = capfd.readouterr()
     assert "truncated" not in captured.out + captured.err + caplog.text
 
@@ -107,11 +117,13 @@ def test_distributed_example_refuses_an_abbreviated_nproc(capsys):
 
 
 def test_distributed_example_does_not_relaunch_under_the_launcher(monkeypatch):
+    import ppdiffusers_tome.presets
+
     module = distributed_module()
     launched = []
     monkeypatch.setitem(module["main"].__globals__, "launch", lambda *a: launched.append(a) or 0)
-    monkeypatch.setitem(module["main"].__globals__, "preset_pipeline", lambda name, **_: (_ for _ in ()).throw(
-        RuntimeError("stop after the launch decision")))
+    monkeypatch.setattr(ppdiffusers_tome.presets, "preset_pipeline", lambda name, **_: (_ for _ in ()).throw(
+        RuntimeError("stop after the launch decision")))  # (main imports it from there once it has read its options)
     monkeypatch.setenv("PADDLE_TRAINER_ID", "0")
     with pytest.raises(RuntimeError, match="stop after the launch decision"):
         module["main"](["--nproc", "2"])
@@ -180,14 +192,93 @@ def test_sd3_example_refuses_a_folder_that_is_not_a_pipeline(tmp_path, capsys):
 
 
 def test_sd3_example_runs_todo_in_place_of_tome_and_refuses_it_with_merge_mlp(tmp_path, caplog, capsys):
+    """ToDo's image is todo.png; the images of an earlier run (ToMe's, the cache's) that this run does not make again
+    are gone from the folder afterwards, and a file the example never writes stays."""
     example = runpy.run_path(os.path.join(EXAMPLES, "sd3.py"), run_name="sd3_example")
+    out = tmp_path / "out"
+    out.mkdir()
+    for earlier in ("vanilla.png", "tome.png", "cache.png", "tome_cache.png", "notes.txt"):
+        (out / earlier).write_bytes(b"an earlier run's")
     with caplog.at_level("INFO"):
-        saved = example["main"](["--todo", "--size", "32", "--steps", "2", "--cache", "0",
-                                 "--output", str(tmp_path / "out")])
-    assert [os.path.basename(p) for p in saved] == ["vanilla.png", "tome.png"]
+        saved = example["main"](["--todo", "--resolution", "32", "--steps", "2", "--cache", "0", "--output", str(out)])
+    assert [os.path.basename(p) for p in saved] == ["vanilla.png", "todo.png"]
+    assert sorted(os.listdir(out)) == ["notes.txt", "todo.png", "vanilla.png"]
+    assert "removed tome_cache.png of an earlier run" in caplog.text
     assert "ToDo: {" in caplog.text and "'merges': 6" in caplog.text  # 3 joint blocks x 2 steps
     assert np.abs(pixels(saved[0]) - pixels(saved[1])).max() > 0  # ToDo changed the image
     with pytest.raises(SystemExit) as done:
         example["main"](["--todo", "--merge-mlp", "--output", str(tmp_path / "refused")])
     assert done.value.code == 2 and "--merge-mlp" in capsys.readouterr().err
     assert not (tmp_path / "refused").exists()
+
+
+def test_every_example_answers_help_with_its_defaults_without_importing_paddle():
+    """``python examples/X.py --help`` reads the command line before anything imports Paddle (it took 17-36 s when
+    Paddle came first) and shows every option's default. One fresh interpreter runs all of them in turn."""
+    probe = (
+        "import contextlib, io, json, runpy, sys\n"
+        "seen = {}\n"
+        "for path in sys.argv[1:]:\n"
+        "    sys.argv = [path, '--help']\n"
+        "    text = io.StringIO()\n"
+        "    with contextlib.redirect_stdout(text):\n"
+        "        try:\n"
+        "            runpy.run_path(path, run_name='__main__')\n"
+        "        except SystemExit as done:\n"
+        "            code = done.code\n"
+        "    seen[path] = [code, text.getvalue(), 'paddle' in sys.modules]\n"
+        "print(json.dumps(seen))\n"
+    )
+    paths = [os.path.join(EXAMPLES, script) for script in SCRIPTS]
+    done = subprocess.run([sys.executable, "-c", probe, *paths], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    seen = json.loads(done.stdout)
+    for path in paths:
+        code, text, paddle_imported = seen[path]
+        assert code in (0, None) and "usage:" in text, (path, text)
+        assert not paddle_imported, f"{os.path.basename(path)} imported Paddle before reading --help"
+        options = text.split("options:", 1)[1]
+        flat = " ".join(options.split())  # (argparse wraps the lines)
+        assert "(default: float32)" in flat and "(default: " + os.path.join("outputs", "examples") in flat, text
+        # every option but --help shows its default
+        assert flat.count("(default: ") == len(re.findall(r"^  --(?!help)", options, re.M)), (path, text)
+    sd3 = " ".join(seen[os.path.join(EXAMPLES, "sd3.py")][1].split())
+    assert "--resolution RESOLUTION, --size RESOLUTION" in sd3 and "a multiple of 16" in sd3 and "(default: 64)" in sd3
+
+
+def test_every_example_imports_the_package_before_paddle():
+    """Imported first, Paddle prints "No ccache found"; the package, imported before it, keeps that quiet. Nothing at
+    an example's top level imports Paddle or ppdiffusers (so --help is fast), and main imports the package first."""
+    import ast
+
+    heavy = ("paddle", "ppdiffusers", "ppdiffusers_tome")
+
+    def imported(nodes):
+        names = [alias.name for node in nodes if isinstance(node, ast.Import) for alias in node.names]
+        names += [node.module for node in nodes if isinstance(node, ast.ImportFrom)]
+        return [name.split(".")[0] for name in names if name.split(".")[0] in heavy]
+
+    for script in SCRIPTS:
+        with open(os.path.join(EXAMPLES, script), encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        assert imported(tree.body) == [], script
+        main = next(node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == "main")
+        assert imported(main.body)[0] == "ppdiffusers_tome", script
+
+
+def test_every_example_offers_the_packages_dtypes():
+    from ppdiffusers_tome.presets import DTYPES
+
+    for script in SCRIPTS:
+        assert runpy.run_path(os.path.join(EXAMPLES, script), run_name="example")["DTYPES"] == DTYPES, script
+
+
+@pytest.mark.parametrize("size", ["72", "8", "0"])
+def test_sd3_example_refuses_a_resolution_that_is_not_a_multiple_of_16(size, tmp_path, capsys):
+    example = runpy.run_path(os.path.join(EXAMPLES, "sd3.py"), run_name="sd3_example")
+    with pytest.raises(SystemExit) as done:
+        example["main"](["--size", size, "--output", str(tmp_path / "out")])
+    assert done.value.code == 2
+    err = capsys.readouterr().err
+    assert "--resolution must be a positive multiple of 16 (SD3's VAE" in err and err.rstrip().endswith(f"got {size}")
+    assert not (tmp_path / "out").exists()

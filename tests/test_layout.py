@@ -27,7 +27,7 @@ DOORS = {"__main__.py", "presets.py", "testing.py"}
 # tome/checkpoint.py), the step programs (cache/export.py), SD3's attention processor for the CPU (sd3_attention.py)
 # and its ToMe/ToDo form (tome/joint_attention.py), and the merge core
 TRACED = sorted(str(p.relative_to(PACKAGE)) for p in (PACKAGE / "ops").glob("*.py")) + [
-    "cache/adaptive.py", "cache/export.py", "cache/kept.py", "cache/layout.py", "cache/step_cache.py",
+    "cache/adaptive.py", "cache/config.py", "cache/export.py", "cache/kept.py", "cache/layout.py", "cache/step_cache.py",
     "cache/whole_model.py", "core/calls.py", "core/generation.py",
     "core/registry.py", "sd3_attention.py", "tome/checkpoint.py", "tome/decision.py", "tome/hooks.py",
     "tome/joint_attention.py", "tome/patch.py", "tome/planner.py", "tome/policy.py", "tome/state.py"]

@@ -142,6 +142,33 @@ def test_an_interrupt_inside_a_forward_ends_the_call(error):
     np.testing.assert_array_equal(unet_output(unet), vanilla)
 
 
+@pytest.mark.parametrize("error", [KeyboardInterrupt, RuntimeError])
+@pytest.mark.parametrize("at", [1, 2], ids=["reusing-step", "recompute-step"])
+def test_a_call_that_did_not_finish_is_not_a_step(error, at):
+    """Outside a pipeline every call is a step, but a call ended by Ctrl-C or an error is not one: the retried step
+    and the steps after it get the plans a model never interrupted gets (the interrupted call ran on other latents
+    at another timestep, so a plan it kept would show). Ctrl-C once counted as a finished step."""
+    timesteps = [999, 800, 600, 400]
+    context = unet_inputs(tiny_unet())[2]
+
+    def step(unet, i):
+        with paddle.no_grad():
+            return unet(step_sample(10 + i), paddle.to_tensor([timesteps[i]] * 2), context).sample.numpy()
+
+    fresh = ppdiffusers_tome.apply_tome(tiny_unet(), ratio=0.5, recompute_every=2)
+    expected = [step(fresh, i) for i in range(4)]
+    unet = ppdiffusers_tome.apply_tome(tiny_unet(), ratio=0.5, recompute_every=2)
+    got = [step(unet, i) for i in range(at)]
+    interrupt_inside_forward(unet, error)  # (after the first block planned)
+    got += [step(unet, i) for i in range(at, 4)]
+    for i, (a, b) in enumerate(zip(got, expected)):
+        np.testing.assert_array_equal(a, b, err_msg=f"step {i}")
+    stats, reference = (ppdiffusers_tome.tome_stats(m)["UNet2DConditionModel"] for m in (unet, fresh))
+    # the interrupted call's first block planned anew at a recompute step, else it reused step 0's plan
+    assert (stats["plans_computed"] - reference["plans_computed"], stats["plans_reused"] - reference["plans_reused"]) \
+        == ((1, 0) if at == 2 else (0, 1))
+
+
 def test_a_call_held_in_another_thread_is_still_counted_in_flight():
     from tests.unet_calls import call_held_inside_forward
 

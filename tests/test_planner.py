@@ -311,6 +311,35 @@ def test_every_call_site_of_a_step_keeps_its_own_plan_for_any_number_of_calls():
                 outputs[view][step], forward(alone, sample, paddle.to_tensor([t, t], dtype="int64"), context))
 
 
+def test_each_view_of_a_panorama_pipeline_reuses_the_plan_of_its_own_call_site():
+    """StableDiffusionPanoramaPipeline makes one UNet call per view per step: under recompute_every=2 each view at
+    step 1 merges with the plan its own call site made at step 0 (the views' plans differ, so another view's would
+    change the image), and step 2 plans anew."""
+    import inspect
+
+    from ppdiffusers import StableDiffusionPanoramaPipeline
+
+    from ppdiffusers_tome.testing import tiny_sd_pipeline
+
+    parts = tiny_sd_pipeline().components
+    wanted = inspect.signature(StableDiffusionPanoramaPipeline.__init__).parameters
+    pipe = StableDiffusionPanoramaPipeline(**{name: part for name, part in parts.items() if name in wanted})
+    pipe.apply_tome(ratio=0.5, recompute_every=2)
+    patch = get_patch(pipe.unet)
+    first = patch.hooked[0][0]  # the first merging block
+    seen = []
+    handle = find_blocks(pipe.unet)[first][1].attn1.register_forward_pre_hook(
+        lambda layer, args: seen.append(patch.plan_in_flight(first)))
+    # 576 px wide: the panorama's 72 latent columns (in its 8-pixel units) hold two 64-column views, 8 apart
+    run(pipe, steps=3, height=32, width=576)
+    handle.remove()
+    assert len(seen) == 3 * 2  # (step, view): (0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)
+    (a0, b0), (a1, b1), (a2, b2) = seen[0:2], seen[2:4], seen[4:6]
+    assert a1 is a0 and b1 is b0  # step 1: each view's own plan of step 0
+    assert not np.array_equal(a0.unmerge_rows.numpy(), b0.unmerge_rows.numpy())  # the two views' plans differ
+    assert all(plan not in (a0, b0) for plan in (a2, b2)) and a2 is not b2  # step 2 recomputes, per view
+
+
 # the decision: a pure function, memoised by the patch; a skipped block reaches no plan code ------------------------
 def decision_fields(decision):
     return {name: getattr(decision, name) for name in type(decision).__slots__}

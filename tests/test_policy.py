@@ -83,9 +83,9 @@ def planned(options, batch, tokens, kernels="gpu"):
     (2, 16384, "pool"),  # 1024 px, one image: 5.4e8
     (16, 4096, "pool"),  # 512 px, eight images: 2.7e8
     (2, 9216, "pool"),  # 768 px, one image: 1.7e8
-    (4, 4096, "pool"),  # 512 px, two images: 2**26 exactly
+    (4, 4096, "pool"),  # 512 px, two images: 2**26 exactly (and SDXL at 1024 px, two images: its 2x level is 64 x 64)
     (3, 4096, "skip"),  # 5.0e7
-    (2, 4096, "skip"),  # 512 px, one image: 3.4e7
+    (2, 4096, "skip"),  # 512 px, one image: 3.4e7 (and SDXL at 1024 px, one image: vanilla, as README's table says)
 ])
 def test_the_default_on_gpu_kernels_decides_by_batch_times_tokens_squared(batch, tokens, action):
     plan, decision, stats = planned({}, batch, tokens)

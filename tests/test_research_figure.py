@@ -1,6 +1,7 @@
 """The plan figure of the docs (``python -m research.figure``) is reproducible and drawn from a real plan."""
 
 import os
+import re
 
 import numpy as np
 from PIL import Image
@@ -19,6 +20,15 @@ def pixels(path):
 
 
 # the figure -------------------------------------------------------------------------------------------------
+def test_the_script_imports_the_package_before_paddle():
+    """Imported first, Paddle prints "No ccache found" (``python -m research.figure`` did); the package, imported
+    before it, keeps that quiet."""
+    with open(os.path.join(ROOT, "research", "figure.py"), encoding="utf-8") as f:
+        names = [name for name in re.findall(r"^\s*(?:import|from) (\w+)", f.read(), re.M)
+                 if name in ("paddle", "ppdiffusers", "ppdiffusers_tome")]
+    assert names[0] == "ppdiffusers_tome", names
+
+
 def test_two_renders_of_the_figure_are_byte_identical(tmp_path):
     for name in ("a.png", "b.png"):
         assert main(["--grid", "12", "--output", str(tmp_path / name)]) == 0

@@ -325,3 +325,17 @@ def test_img2img_runs_from_the_builder_and_from_the_txt2img_components():
 def test_tiny_sd3_pipeline_refuses_an_unknown_kind():
     with pytest.raises(ValueError, match="img2img"):
         tiny_sd3_pipeline("inpaint")
+
+
+def test_without_t5_several_images_of_one_prompt_fail_in_ppdiffusers_and_a_list_of_prompts_works():
+    """What examples/sd3.py and docs/design.md say about SD3 loaded without T5 (``text_encoder_3=None``): ppdiffusers
+    0.29 cannot make ``num_images_per_prompt > 1`` images (the CLIP embeddings are repeated, T5's zeros are not), with
+    or without this package; the prompt once per image, as a list, gives the images. If ppdiffusers fixes this, the
+    note is stale and this fails."""
+    pipe = tiny_sd3_pipeline()
+    assert pipe.text_encoder_3 is None
+    with pytest.raises(ValueError, match="dimension"):
+        pipe(PROMPT, num_images_per_prompt=2, height=SIZE, width=SIZE, num_inference_steps=1)
+    images = pipe([PROMPT] * 2, height=SIZE, width=SIZE, num_inference_steps=1, generator=generator(0),
+                  output_type="np").images
+    assert images.shape == (2, SIZE, SIZE, 3)

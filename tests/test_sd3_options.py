@@ -1,8 +1,9 @@
 """ToMe's plan options on SD3's joint blocks: what shapes the plan of a UNet block shapes the plan of an MMDiT's image
 stream (strides, a fixed or a seeded random partition, ratio schedules, plan reuse across steps, a plan shared by
 the blocks of a call, matching windows), checked on the plan a block actually used; and the GPU policy's choice for
-plain ToMe on joint blocks (it skips the small ones and merges the large ones, never pooling). Checked on the tiny
-offline SD3 transformer with the math attention processor."""
+plain ToMe on joint blocks (it skips the small ones and downsamples the image keys and values of the large ones
+instead of merging; more in tests/test_sd3_gpu_policy.py). Checked on the tiny offline SD3 transformer with the math
+attention processor."""
 
 import numpy as np
 import paddle
@@ -153,7 +154,7 @@ def test_matching_windows_merge_their_share_of_every_window(options):
 
 
 # the GPU policy -----------------------------------------------------------------------------------------------------
-def test_on_gpu_kernels_the_default_policy_skips_small_sd3_blocks_and_merges_large_ones_without_pooling():
+def test_on_gpu_kernels_the_default_policy_skips_small_sd3_blocks_and_downsamples_large_ones_instead_of_merging():
     model = tiny_sd3_transformer()
     inputs = transformer_inputs(batch=2, seed=6)
     vanilla = forward(model, inputs)
@@ -164,14 +165,14 @@ def test_on_gpu_kernels_the_default_policy_skips_small_sd3_blocks_and_merges_lar
     stats = ppdiffusers_tome.tome_stats(model)[MODEL]
     assert stats["blocks_skipped"] == 3 and stats["merges"] == 0 and stats["blocks_pooled"] == 0
     settings = Settings(ToMeConfig(ratio=0.5), model, find_blocks(model))
-    for tokens, latent_hw, action in ((2048, (128, 64), "merge"), (4096, (128, 128), "merge"),
+    for tokens, latent_hw, action in ((2048, (128, 64), "pool"), (4096, (128, 128), "pool"),
                                       (1024, (64, 64), "skip")):
         decision = decide(settings, tokens, 2, grid_of(settings, latent_hw, tokens), 1, "gpu", 0.5)
         assert decision.action == action, decision
-        assert (2 * tokens ** 2 >= JOINT_MIN_WORK) == (action == "merge")
+        assert (2 * tokens ** 2 >= JOINT_MIN_WORK) == (action == "pool")
     with gpu_kernels():
         ppdiffusers_tome.apply_tome(model, ratio=0.5, min_work=0)
-        merged = forward(model, inputs)  # min_work=0: every block merges on the GPU kernels too
-    assert np.abs(merged - vanilla).max() > 1e-5
+        pooled = forward(model, inputs)  # min_work=0: every block's image keys and values are downsampled
+    assert np.abs(pooled - vanilla).max() > 1e-5
     stats = ppdiffusers_tome.tome_stats(model)[MODEL]
-    assert stats["merges"] == 3 and stats["blocks_pooled"] == 0
+    assert stats["merges"] == 3 and stats["blocks_pooled"] == 3 and stats["plans_computed"] == 0

@@ -12,6 +12,7 @@ from ppdiffusers.models.attention_processor import AttnProcessor
 
 import ppdiffusers_tome
 import ppdiffusers_tome.sd3_attention as joint_attention
+import ppdiffusers_tome.tome.joint_attention as todo_attention
 from ppdiffusers_tome.testing import gpu_kernels, tiny_sd3_pipeline, tiny_sd3_transformer
 from ppdiffusers_tome.tome.config import ToMeConfig
 from ppdiffusers_tome.tome.decision import Settings, decide, grid_of
@@ -147,7 +148,7 @@ def test_the_attention_core_sees_every_query_and_the_downsampled_image_keys(monk
     n = (latent_hw[0] // 2) * (latent_hw[1] // 2)
     vanilla = forward(model, inputs)
     ppdiffusers_tome.apply_tome(model, method="todo", downsample_factor=factor)
-    seen = count_keys(monkeypatch, joint_attention, "math_attention")
+    seen = count_keys(monkeypatch, todo_attention, "math_attention")  # the core attention_core hands to ToDo
     projected = []
     handle = model.transformer_blocks[0].attn.to_k.register_forward_pre_hook(
         lambda layer, args: projected.append(args[0].shape[1]))

@@ -347,6 +347,22 @@ def test_a_patched_transformer_exports_with_a_dynamic_batch_and_equals_eager(opt
         np.testing.assert_allclose(loaded(*inputs).numpy(), eager[batch], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("options", [dict(ratio=0.5), dict(method="todo")], ids=["tome", "todo"])
+def test_a_dynamic_latent_size_is_refused_by_name_at_export(options, tmp_path):
+    """The patch grid is ``H/p x W/p``: with a dynamic height and width it is unknown while tracing (the program once
+    ran unmerged, with no error)."""
+    from ppdiffusers_tome.tome.patch import ToMeStaticGraphError
+
+    transformer = tiny_sd3_transformer(num_layers=2)
+    ppdiffusers_tome.apply_tome(transformer, **options)
+    spec = [InputSpec([None, LATENT_CHANNELS, None, None], "float32"), InputSpec([None, 10, TEXT_CHANNELS], "float32"),
+            InputSpec([None, POOLED_CHANNELS], "float32"), InputSpec([None], "float32")]
+    static = paddle.jit.to_static(NoisePredictor(transformer), input_spec=spec, full_graph=True)
+    with pytest.raises(ToMeStaticGraphError, match="on SD3Transformer2DModel cannot be converted with a dynamic latent "
+                                                   "height and width"):
+        paddle.jit.save(static, str(tmp_path / "sd3"))
+
+
 # refusals --------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("options, named", [(dict(merge_crossattn=True), "merge_crossattn")], ids=["merge_crossattn"])
 def test_options_without_meaning_on_sd3_are_refused_by_name_before_anything_changes(options, named):

@@ -253,3 +253,70 @@ def test_the_default_policy_on_gpu_kernels_exports_with_a_dynamic_batch(tmp_path
             else:
                 assert np.abs(eager - vanilla[batch]).max() > 1e-4
     assert ppdiffusers_tome.tome_status(unet)[UNET]["policy"][256]["action"] == action
+
+
+SIZE_SPECS = {"height and width": [None, 4, None, None], "width": [None, 4, 16, None]}
+
+
+@pytest.mark.parametrize("dynamic", SIZE_SPECS)
+@pytest.mark.parametrize("options", [dict(ratio=0.5, use_rand=False), dict(method="todo")], ids=["tome", "todo"])
+def test_a_dynamic_latent_height_or_width_is_refused_by_name(tmp_path, options, dynamic):
+    """The token grid (and so the merge, or ToDo's downsampling) is a shape: a program traced with a dynamic latent
+    height or width once ran unmerged, differing from the eager model with no error."""
+    unet = small_unet()
+    unet.apply_tome(**options)
+    spec = [InputSpec(SIZE_SPECS[dynamic], "float32"), InputSpec([None], "int64"), InputSpec([None, 5, 32], "float32")]
+    static = paddle.jit.to_static(NoisePredictor(unet), input_spec=spec, full_graph=True)
+    with pytest.raises(ToMeStaticGraphError, match=f"dynamic latent {dynamic}.*fixed height and width.*SOT mode"):
+        paddle.jit.save(static, str(tmp_path / "unet"))
+    with paddle.no_grad(), pytest.raises(ToMeStaticGraphError, match=f"dynamic latent {dynamic}"):
+        static(*unet_inputs(unet))
+    inputs = unet_inputs(unet)  # the eager model still merges
+    with paddle.no_grad():
+        eager = unet(*inputs).sample.numpy()
+        ppdiffusers_tome.remove_tome(unet)
+        assert np.abs(unet(*inputs).sample.numpy() - eager).max() > 1e-4
+
+
+def test_ratio_0_exports_with_a_dynamic_latent_size_and_equals_eager(tmp_path):
+    """Nothing to plan at ratio 0: the refusal of a dynamic size does not reach it."""
+    unet = small_unet()
+    unet.apply_tome(ratio=0)
+    spec = [InputSpec(SIZE_SPECS["height and width"], "float32"), InputSpec([None], "int64"),
+            InputSpec([None, 5, 32], "float32")]
+    model = NoisePredictor(unet)
+    model.eval()
+    path = str(tmp_path / "unet")
+    paddle.jit.save(paddle.jit.to_static(model, input_spec=spec, full_graph=True), path)
+    loaded = paddle.jit.load(path)
+    for hw in ((16, 16), (12, 20)):
+        inputs = unet_inputs(unet, hw=hw)
+        with paddle.no_grad():
+            np.testing.assert_allclose(loaded(*inputs).numpy(), unet(*inputs).sample.numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_a_dynamic_token_count_is_refused_by_name_by_the_block_and_by_the_policy():
+    """Where the latent size is known but a block's token count is not (``-1`` in a traced program), neither a grid
+    nor the policy's work ``batch * tokens**2`` can be found: both once answered as if nothing merged (no plan; the
+    policy's skip)."""
+    from ppdiffusers_tome.tome.config import ToMeConfig
+    from ppdiffusers_tome.tome.patch import ModelPatch
+    from ppdiffusers_tome.tome.policy import Policy
+    from ppdiffusers_tome.tome.state import CallRecord
+
+    patch = ModelPatch.install(small_unet(), ToMeConfig(ratio=0.5))
+    idle = ModelPatch.install(small_unet(), ToMeConfig(ratio=0))
+    paddle.enable_static()
+    try:
+        with paddle.static.program_guard(paddle.static.Program()):
+            hidden = paddle.static.data("hidden", [2, -1, 32], "float32")
+            call = CallRecord((16, 16), None, 1, "cpu", 0.5)
+            with pytest.raises(ToMeStaticGraphError, match=r"token count is dynamic .*\[2, -1, 32\]"):
+                patch.plan_block(patch.hooked[0][0], hidden, call)
+            assert idle.plan_block(idle.hooked[0][0], hidden, call) is None  # ratio 0 plans nothing: no refusal
+            with pytest.raises(ToMeStaticGraphError, match="policy decides from .* token count is dynamic"):
+                Policy(ToMeConfig()).decide(hidden, "gpu")
+    finally:
+        paddle.disable_static()
+    patch.remove()
+    idle.remove()

@@ -180,6 +180,38 @@ def test_an_interrupted_call_leaves_nothing_for_the_next_call():
     assert np.abs(fresh[1] - full).max() > 1e-5  # (while after a full first call the second one is cached)
 
 
+@pytest.mark.parametrize("error", [KeyboardInterrupt, RuntimeError])
+@pytest.mark.parametrize("at", [1, 3], ids=["cached-step", "full-step"])
+def test_a_call_that_did_not_finish_leaves_the_steps_and_the_kept_features_as_it_found_them(error, at):
+    """A model called directly: a call ended by Ctrl-C or an error (late, in conv_out, on other latents) is not a
+    step and keeps nothing, so the retried step and the steps after it compute what an uninterrupted run computes.
+    It once counted as a step and dropped its site's kept features."""
+    context = paddle.to_tensor(np.random.default_rng(9).standard_normal((2, 5, 32)).astype("float32"))
+    inputs = [(step_sample(seed), paddle.to_tensor([t, t]), context) for seed, t in enumerate((900, 700, 500, 300, 100))]
+
+    def steps(unet, indices):
+        with paddle.no_grad():
+            return [unet(*inputs[i]).sample.numpy() for i in indices]
+
+    fresh = ppdiffusers_tome.apply_cache(tiny_unet(), interval=3)
+    expected = steps(fresh, range(5))
+    unet = ppdiffusers_tome.apply_cache(tiny_unet(), interval=3)
+    got = steps(unet, range(at))
+
+    def fail(*_):
+        raise error()
+
+    handle = unet.conv_out.register_forward_pre_hook(fail)
+    with paddle.no_grad(), pytest.raises(error):
+        unet(step_sample(99), paddle.to_tensor([999, 999]), context)
+    handle.remove()
+    got += steps(unet, range(at, 5))
+    for i, (a, b) in enumerate(zip(got, expected)):
+        np.testing.assert_array_equal(a, b, err_msg=f"step {i}")
+    status = ppdiffusers_tome.cache_status(unet)["UNet2DConditionModel"]
+    assert (status["calls"], status["full_calls"], status["cached_calls"]) == (5, 2, 3)
+
+
 @pytest.mark.parametrize("first", ["tome", "cache"])
 def test_cache_and_tome_compose_in_either_order_and_come_off_one_by_one(first):
     pipe = tiny_sd_pipeline()

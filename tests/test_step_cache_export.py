@@ -218,3 +218,45 @@ def test_wrong_models_and_settings_are_refused_by_name():
     with pytest.raises(ValueError, match="config must be a CacheConfig"):
         ScheduledSteps(lambda *a: None, lambda *a: None, {"interval": 3})
     assert ScheduledSteps(lambda *a: None, lambda *a: None, CacheConfig(interval=2)).step == 0
+
+
+def test_tome_inside_the_step_programs_refuses_a_dynamic_latent_size_by_name(tmp_path):
+    """ToMe plans on the token grid inside both programs: a dynamic latent height and width once gave a full program
+    that ran unmerged, with no error."""
+    from ppdiffusers_tome.tome.patch import ToMeStaticGraphError
+
+    unet = step_unet()
+    unet.apply_tome(ratio=0.5, use_rand=False)
+    unet.apply_cache(interval=3)
+    programs = StepPrograms(unet)
+    steps = step_inputs(2)
+    spec = [InputSpec([None, 4, None, None], "float32"), InputSpec([None], "int64"),
+            InputSpec([None, 5, 32], "float32")]
+    full = paddle.jit.to_static(programs.full, input_spec=spec, full_graph=True)
+    with pytest.raises(ToMeStaticGraphError, match="dynamic latent height and width"):
+        paddle.jit.save(full, str(tmp_path / "full"))
+    feature = programs.feature_spec(*steps[0])
+    feature = InputSpec([None, feature.shape[1], None, None], feature.dtype)
+    cached = paddle.jit.to_static(programs.cached, input_spec=[feature] + spec, full_graph=True)
+    with pytest.raises(ToMeStaticGraphError, match="dynamic latent height and width"):
+        paddle.jit.save(cached, str(tmp_path / "cached"))
+
+
+def test_scheduled_steps_run_a_full_step_when_the_latent_size_changes_as_the_eager_cache_does():
+    """The eager cache compares the whole input shape with the kept step's; ScheduledSteps compared the batch only,
+    so a cached step at another height and width reached Paddle's concat with the old feature (a deep error, or a
+    program that runs on a mismatched feature). It now runs a full step, counted in ``fallbacks``."""
+    from tests.unet_calls import unet_inputs
+
+    unet = ppdiffusers_tome.apply_cache(step_unet(), interval=3)
+    programs = StepPrograms(unet)
+    steps = [unet_inputs(unet, hw=hw, seed=i) for i, hw in enumerate(((16, 16), (12, 20), (12, 20)))]
+    with paddle.no_grad():
+        eager = [unet(*args).sample.numpy() for args in steps]
+        runner = ScheduledSteps(programs.full, programs.cached, programs.config)
+        scheduled = [runner(*args)[0].numpy() for args in steps]
+    for got, want in zip(scheduled, eager):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    status = ppdiffusers_tome.cache_status(unet)["UNet2DConditionModel"]
+    assert (runner.full_calls, runner.cached_calls, runner.fallbacks) == (2, 1, 1) == \
+        (status["full_calls"], status["cached_calls"], status["fallbacks"])

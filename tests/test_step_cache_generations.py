@@ -165,3 +165,46 @@ def test_status_remove_and_reset_answer_on_a_transformer_pipeline_without_a_cach
     assert ppdiffusers_tome.cache_status(pipe) == {"transformer": None}
     assert ppdiffusers_tome.remove_cache(pipe) is pipe and ppdiffusers_tome.reset_cache(pipe) is pipe
     assert ppdiffusers_tome.tome_status(pipe)["transformer"]["cache"] is None
+
+
+def cache_warnings(caught):
+    return [str(w.message) for w in caught if "step cache" in str(w.message)]
+
+
+def test_a_pipeline_call_with_no_cached_step_warns_once_and_names_why(init_image):
+    """Steps are counted by the denoising loop, so a short run (img2img at strength 0.5 of 2 steps: 1 step) has no
+    cached step: the cache computes every call in full and said nothing. It warns once, as ToMe's "merged nothing"
+    warning does; a run with cached steps and an interrupted one do not warn."""
+    import warnings
+
+    pipe = img2img_from(tiny_sd_pipeline().apply_cache(interval=3))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run(pipe, steps=3, image=init_image, strength=1.0)  # steps 0 (full), 1 and 2 (cached): silent
+        assert cache_warnings(caught) == []
+        calls = []
+        handle = pipe.unet.conv_out.register_forward_pre_hook(
+            lambda *_: calls.append(1) or (_ for _ in ()).throw(KeyboardInterrupt()))
+        with pytest.raises(KeyboardInterrupt):  # interrupted at step 0: not a run that finished
+            run(pipe, steps=3, image=init_image, strength=1.0)
+        handle.remove()
+        assert cache_warnings(caught) == []
+        run(pipe, steps=2, image=init_image, strength=0.5)  # one denoising step: all full
+        run(pipe, steps=2, image=init_image, strength=0.5)
+    found = cache_warnings(caught)
+    assert len(found) == 1, found
+    assert ("UNet2DConditionModel ran every call of a pipeline call in full (1 call, 1 denoising step)" in found[0]
+            and "first cached step is step 1" in found[0] and "interval=3" in found[0]
+            and "strength" in found[0]), found[0]
+    status = ppdiffusers_tome.cache_status(pipe)["unet"]
+    assert (status["cached_calls"], status["full_calls"]) == (2, 1 + 1 + 1)  # (the interrupted call is not counted)
+
+
+def test_a_cache_that_never_caches_by_its_settings_does_not_warn():
+    import warnings
+
+    pipe = tiny_sd_pipeline().apply_cache(interval=1)  # every step full, as asked
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run(pipe, steps=2)
+    assert cache_warnings(caught) == []

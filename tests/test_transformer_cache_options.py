@@ -70,6 +70,38 @@ def test_reset_cache_starts_a_directly_called_transformer_at_step_0():
     assert ppdiffusers_tome.cache_status(model)["SD3Transformer2DModel"]["full_calls"] == 2
 
 
+@pytest.mark.parametrize("kept, now", [(1, 7), (7, 10), (7, 1)])
+def test_a_text_stream_of_another_length_than_the_kept_steps_runs_a_full_step(kept, now):
+    """The kept contribution of the blocks between has the kept step's shape on both streams: a cached step whose
+    text stream is longer or shorter is computed in full (a fallback), as one whose image stream differs is. Only
+    the image stream was compared: a kept text difference of length 1 was broadcast onto the new text silently."""
+    model = tiny_sd3_transformer()
+    first = transformer_inputs(batch=2, text_tokens=kept, seed=0, timestep=900.0)
+    second = transformer_inputs(batch=2, text_tokens=now, seed=1, timestep=600.0)
+    vanilla = forward(model, second)
+    ppdiffusers_tome.apply_cache(model, interval=3)
+    forward(model, first)
+    np.testing.assert_array_equal(forward(model, second), vanilla)  # step 1: full, as the model computes it
+    status = ppdiffusers_tome.cache_status(model)["SD3Transformer2DModel"]
+    assert (status["full_calls"], status["cached_calls"], status["fallbacks"]) == (2, 0, 1)
+
+
+def test_a_transformer_with_too_few_blocks_is_refused_naming_its_blocks_in_a_pipeline_too():
+    """PaddleMIX's own DiT test pipeline has a 2-block transformer: the pipeline-level refusal said the pipeline had
+    no transformer-only model at all; the reason (too few blocks) was only in the model-level message."""
+    from ppdiffusers import DiTPipeline
+
+    from ppdiffusers_tome.testing import tiny_dit_pipeline, tiny_dit_transformer
+
+    pipe = DiTPipeline(**dict(tiny_dit_pipeline().components, transformer=tiny_dit_transformer(num_layers=2)))
+    reason = r"has 2 transformer_blocks; the step cache needs at least 3 .*depth=1"
+    with pytest.raises(ValueError, match=r"DiTPipeline\.transformer \(Transformer2DModel\) " + reason):
+        ppdiffusers_tome.apply_cache(pipe)
+    with pytest.raises(ValueError, match=r"^Transformer2DModel " + reason):
+        ppdiffusers_tome.apply_cache(pipe.transformer)
+    assert hooks_of(pipe.transformer) is None  # nothing changed
+
+
 def test_threads_keep_separate_histories_on_one_cached_transformer():
     model = ppdiffusers_tome.apply_cache(tiny_sd3_transformer(), interval=3)
     streams = [[transformer_inputs(batch=2, seed=10 * k + i, timestep=t) for i, t in enumerate((900.0, 700.0, 500.0))]

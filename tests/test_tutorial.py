@@ -161,6 +161,24 @@ def test_notebook_is_committed_without_outputs_and_is_valid_nbformat_4():
         assert not re.search(r"^\s*[!%]", source(cell), re.M)  # plain Python: no shell escapes or magics
 
 
+def test_every_cell_has_its_own_id_as_nbformat_4_5_asks():
+    """nbconvert warned that cells had no ids (an nbformat 4.5 notebook without them, five cells added later)."""
+    notebook = load_notebook()
+    assert (notebook["nbformat"], notebook["nbformat_minor"]) >= (4, 5)
+    ids = [cell.get("id") for cell in notebook["cells"]]
+    assert all(isinstance(id_, str) and re.fullmatch(r"[a-zA-Z0-9_-]{1,64}", id_) for id_ in ids), ids
+    assert len(set(ids)) == len(ids), ids
+
+
+def test_the_jupyter_install_line_brings_ipywidgets_and_keeps_the_pins():
+    """Without ipywidgets, tqdm (ppdiffusers' progress bars) prints "IProgress not found" under the first code cell in
+    Jupyter; the install line adds it, with constraints.txt so that the pinned set stays as it is."""
+    text = "\n".join(source(c) for c in load_notebook()["cells"] if c["cell_type"] == "markdown")
+    line = next(line for line in text.splitlines() if "-m pip install notebook" in line)
+    assert "ipywidgets" in line.split() and "-c constraints.txt" in line, line
+    assert "IProgress not found" in text  # and the notebook says what the line means
+
+
 def test_notebook_is_a_chinese_tutorial_covering_the_brief():
     text = "\n".join(source(c) for c in load_notebook()["cells"] if c["cell_type"] == "markdown")
     assert len(re.findall(r"[\u4e00-\u9fff]", text)) > 1500  # written in Chinese, at length

@@ -169,28 +169,30 @@ class StepPrograms:
 class ScheduledSteps:
     """Runs a full and a cached step (eager or converted layers, or loaded programs) on a :class:`CacheConfig`'s
     schedule: call it once per denoising step with the UNet's inputs; :meth:`reset` starts a new generation. The
-    choice is a Python counter on the host; a step whose batch differs from the kept feature's runs in full, as the
-    eager cache does. Returns the step's UNet outputs as a tuple (a loaded full program
+    choice is a Python counter on the host; a step whose sample's shape (batch, height or width) differs from the one
+    the kept feature was made from runs in full, as the eager cache does (counted in ``fallbacks``). Returns the step's UNet outputs as a tuple (a loaded full program
     returns ``[sample, feature]``; a loaded cached program the sample)."""
 
     def __init__(self, full: Callable[..., Any], cached: Callable[..., Any], config: CacheConfig):
         if not isinstance(config, CacheConfig):
             raise ValueError(f"config must be a CacheConfig (StepPrograms.config); got {type(config).__name__}")
         self._full, self._cached, self.config = full, cached, config
-        self.full_calls = self.cached_calls = self.fallbacks = 0  # fallbacks: cached steps run in full (batch changed)
+        self.full_calls = self.cached_calls = self.fallbacks = 0  # fallbacks: cached steps run in full (shape changed)
         self.reset()
 
     def reset(self) -> None:
         """Start a new generation: the next call is step 0 (full)."""
         self.step = 0
         self._feature: Optional[paddle.Tensor] = None
+        self._shape: Optional[Tuple[int, ...]] = None  # the sample's shape the feature was made from
 
     def __call__(self, *args: Any, **kwargs: Any) -> Tuple[paddle.Tensor, ...]:
         sample = args[0] if args else kwargs.get("sample")
-        batch_changed = self._feature is not None and sample is not None and \
-            int(self._feature.shape[0]) != int(sample.shape[0])
-        if self._feature is None or batch_changed or self.config.is_full(self.step):
-            self.fallbacks += int(batch_changed and not self.config.is_full(self.step))
+        shape = tuple(int(n) for n in sample.shape) if sample is not None else None
+        changed = self._feature is not None and shape != self._shape
+        if self._feature is None or changed or self.config.is_full(self.step):
+            self.fallbacks += int(changed and not self.config.is_full(self.step))
+            self._shape = shape
             result = self._full(*args, **kwargs)
             if isinstance(result[0], (tuple, list)):  # a FullStep layer: ((sample,), feature)
                 outputs, self._feature = tuple(result[0]), result[1]

@@ -25,7 +25,7 @@ import paddle
 from ..core.registry import Hook
 from ..core.targets import fused_sd3_reason, is_fused_sd3
 
-__all__ = ["AUTO", "CacheLayout", "Layout", "TransformerLayout", "UNetLayout", "layout_of"]
+__all__ = ["AUTO", "CacheLayout", "Layout", "TransformerLayout", "UNetLayout", "layout_of", "too_few_blocks"]
 
 AUTO = "auto"  # the default of ``layers``: DeepCache's finest branch on UNets and ControlNets at depth 1
 
@@ -214,11 +214,12 @@ class _Segment(Hook):
         if mode is None:
             return self.next(*args, **kwargs)
         streams = self._streams(args, kwargs)
-        if self.first and step.program is None:
+        if self.first and step.program is None:  # (both streams: the kept contribution has the kept step's shapes)
+            shape = (tuple(streams[0].shape), tuple(streams[1].shape)) if self.joint else tuple(streams[0].shape)
             if mode != "full" or self.cache.threshold is not None:
-                mode = self.cache.arrive(step, step.state, tuple(streams[0].shape), streams[0], mode)
+                mode = self.cache.arrive(step, step.state, shape, streams[0], mode)
             elif step.pending is not None:  # a full step of the fixed interval: only the shape to note
-                step.pending.shape = tuple(streams[0].shape)
+                step.pending.shape = shape
         if mode == "cached":
             if not self.first:
                 return self._output(streams)
@@ -263,6 +264,17 @@ def _is_transformer(model: Any) -> bool:
     return isinstance(blocks, paddle.nn.LayerList) and len(blocks) >= 3 and getattr(model, "down_blocks", None) is None
 
 
+def too_few_blocks(model: Any, name: str) -> Optional[str]:
+    """Why ``model`` (reported as ``name``) takes no step cache when it is a transformer-only model with fewer than 3
+    transformer blocks (PaddleMIX's DiT test pipeline has 2), else None."""
+    blocks = getattr(model, "transformer_blocks", None)
+    if not isinstance(blocks, paddle.nn.LayerList) or getattr(model, "down_blocks", None) is not None or len(blocks) >= 3:
+        return None
+    who = name if name == type(model).__name__ else f"{name} ({type(model).__name__})"
+    return (f"{who} has {len(blocks)} transformer_blocks; the step cache needs at least 3 on a transformer-only model "
+            "(at depth=1 the first and the last block run on every step and at least one between is cached)")
+
+
 def layout_of(model: Any, config: Any, name: Optional[str] = None) -> Optional[CacheLayout]:
     """The layout of ``model`` for ``config`` (a :class:`~ppdiffusers_tome.cache.step_cache.CacheConfig`). With
     ``config=None``: whether a step cache can go on ``model`` at all (a layout at the defaults, or None). With a
@@ -300,6 +312,9 @@ def layout_of(model: Any, config: Any, name: Optional[str] = None) -> Optional[C
         return None
     if is_fused_sd3(model):
         raise ValueError(fused_sd3_reason(name, "the step cache"))
+    short = too_few_blocks(model, name)
+    if short is not None:
+        raise ValueError(short)
     raise ValueError(
         f"apply_cache needs a UNet2DConditionModel, a ControlNetModel (down_blocks, mid_block, up_blocks) or a "
         f"transformer-only model with at least 3 transformer_blocks (SD3, DiT, PixArt-alpha); {name} "

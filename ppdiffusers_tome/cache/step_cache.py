@@ -1,7 +1,7 @@
 """Step caching (DeepCache-style for UNets, block caching for transformers): a full pass every few denoising steps;
 on the steps between, only the shallow part runs and the deep part's work comes from the last full step.
 
-One technique in one file: :class:`CacheConfig` (the validated settings), the hooks that do it (through
+The technique's door: :class:`CacheConfig` (the validated settings, :mod:`.config`), the hooks that do it (through
 :mod:`ppdiffusers_tome.core.registry`), and :func:`apply_cache` / :func:`remove_cache` / :func:`reset_cache` /
 :func:`cache_status`. Which parts of a model are deep is :mod:`ppdiffusers_tome.cache.layout`'s.
 
@@ -33,7 +33,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import asdict, dataclass, fields, replace
+import warnings
+from dataclasses import replace
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 import paddle
@@ -41,12 +42,13 @@ import paddle
 from ..core import generation
 from ..core.calls import drop_calls_if_alone, model_calls, refuse_if_running
 from ..core.registry import LOCK, Hook, StaticGraphError, add_hook, hooks_of, remove_hook
-from ..core.targets import fused_sd3_reason, is_fused_sd3, pipeline_candidates, resolve
-from ..core.validation import as_bool, as_choice, is_int, shown
+from ..core.targets import fused_sd3_reason, is_fused_sd3, keyword_call, pipeline_candidates, resolve
+from ..core.validation import is_int
 from ..ops.runtime import converting
-from .adaptive import check_forecast, check_max_skips, check_threshold, decide, extrapolate, relative_change
+from .adaptive import decide, extrapolate, relative_change
+from .config import CONFIG_FIELDS, CacheConfig
 from .kept import KeptStep, Site
-from .layout import AUTO, CacheLayout, TransformerLayout, layout_of
+from .layout import AUTO, CacheLayout, TransformerLayout, layout_of, too_few_blocks
 from .whole_model import WholeModelHook, WholeModelLayout, is_controlnet, takes_latents
 
 __all__ = ["CacheConfig", "StepCache", "StepCacheError", "apply_cache", "cache_status", "get_cache", "remove_cache",
@@ -61,133 +63,6 @@ class StepCacheError(StaticGraphError):
     """Raised when a step cache cannot do what a call asks (for example, conversion to a static graph)."""
 
 
-@dataclass(frozen=True)
-class CacheConfig:
-    """Settings of the step cache.
-
-    Args:
-        interval: a full pass every ``interval`` steps (``int >= 1``; 1 = every step, the vanilla forward).
-        depth: how much runs on every step: for a UNet or ControlNet, the resolution levels of the shallow branch
-            (``down_blocks[:depth]`` and ``up_blocks[-depth:]``; ``int >= 1``, at most the number of down blocks
-            minus 1); for a transformer-only model, the blocks that run at each end (``int >= 1``, less than half
-            of its blocks).
-        layers: UNets and ControlNets at ``depth=1``: how many layers (resnet + attention pairs) of the last up
-            block run on a cached step (``int >= 1``, fewer than that block has): DeepCache's finer branches,
-            ``layers=1`` is its ``cache_branch_id=0``; ``None`` runs the whole first level (its branch 2 on
-            SD-1.5). ``"auto"`` (the default) is ``1`` on a UNet or ControlNet at ``depth=1`` and ``None`` otherwise
-            (deeper ``depth``, transformer-only models).
-        start: steps before ``start`` are all full (``int >= 0``); cached steps begin at ``start + 1``.
-        stop: steps from ``stop`` on are all full (``None``: to the end; else ``int > start``).
-        full_steps: the 0-based steps that are full, e.g. ``(0, 1, 2, 4, 7, 11)`` to spend full steps early; when
-            given, ``interval`` is not used (``start``/``stop`` still are). Step 0 is always full.
-        threshold: ``None`` (the default) keeps the fixed interval; a number ``>= 0`` switches to the adaptive rule
-            (:mod:`~ppdiffusers_tome.cache.adaptive`): a step runs in full when the relative change of the deep
-            part's input, summed over the steps since the last full one, reaches ``threshold`` (``0``: every step
-            full, the vanilla forward; :data:`~ppdiffusers_tome.cache.adaptive.DEFAULT_THRESHOLD` = 0.15 is the
-            suggested value). ``interval`` is then not used; ``start``, ``stop`` and ``full_steps`` still protect
-            their steps, and so is the last step of a pipeline's loop.
-        max_skips: with ``threshold``: at most this many cached steps in a row (``None``: no cap; else ``int >= 1``).
-        forecast: ``None`` (reuse the last full step's work as it is) or ``"linear"`` (extrapolate it from the last
-            two full steps, first order in the step index).
-        whole_model: ``True`` caches whole calls of the model (its output residual), for models whose blocks cannot
-            be reached, such as SD3 built with ``INFERENCE_OPTIMIZE=True`` (:mod:`~ppdiffusers_tome.cache.whole_model`);
-            ``depth`` and ``layers`` then do not apply.
-
-    Integers may be Python or numpy integers.
-
-    >>> config = CacheConfig(interval=3)
-    >>> [step for step in range(10) if config.is_full(step)]
-    [0, 3, 6, 9]
-    >>> [step for step in range(10) if CacheConfig(interval=2, start=3, stop=8).is_full(step)]
-    [0, 1, 2, 3, 5, 7, 8, 9]
-    """
-
-    interval: int = 3
-    depth: int = 1
-    layers: Union[int, str, None] = AUTO
-    start: int = 0
-    stop: Optional[int] = None
-    full_steps: Optional[Tuple[int, ...]] = None
-    threshold: Optional[float] = None
-    max_skips: Optional[int] = None
-    forecast: Optional[str] = None
-    whole_model: bool = False
-
-    def __post_init__(self) -> None:
-        store = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 - frozen dataclass
-        if not is_int(self.interval) or self.interval < 1:
-            raise ValueError("interval must be an integer >= 1 (a full pass every interval steps); "
-                             f"got {self.interval!r}")
-        if not is_int(self.depth) or self.depth < 1:
-            raise ValueError("depth must be an integer >= 1 (levels of a UNet, or blocks at each end of a "
-                             f"transformer, that run on every step); got {self.depth!r}")
-        if as_choice(self.layers, (AUTO,)) is not None:
-            store("layers", AUTO)  # (a numpy str as a plain one)
-        elif self.layers is not None and (not is_int(self.layers) or self.layers < 1):
-            raise ValueError(f"layers must be {AUTO!r}, None or an integer >= 1 (layers of the last up block that run "
-                             f"on a cached step); got {shown(self.layers)}")
-        if is_int(self.layers) and self.depth != 1:
-            raise ValueError(f"layers={self.layers!r} cuts inside the first level, so it needs depth=1; got "
-                             f"depth={self.depth!r}")
-        if not is_int(self.start) or self.start < 0:
-            raise ValueError(f"start must be an integer >= 0 (steps before it are full); got {self.start!r}")
-        if self.stop is not None and (not is_int(self.stop) or self.stop <= self.start):
-            raise ValueError(f"stop must be None or an integer > start={self.start} (steps from it are full); "
-                             f"got {self.stop!r}")
-        for name in ("interval", "depth", "layers", "start", "stop"):
-            value = getattr(self, name)
-            if is_int(value):
-                store(name, int(value))
-        if self.full_steps is not None:
-            steps = self.full_steps
-            if isinstance(steps, (str, bytes)) or not isinstance(steps, (list, tuple, range)) or not all(
-                    is_int(s) and s >= 0 for s in steps) or len(steps) == 0:
-                raise ValueError("full_steps must be None or a non-empty list, tuple or range of integers >= 0 (the "
-                                 f"0-based full steps); got {steps!r}")
-            store("full_steps", tuple(sorted({int(s) for s in steps} | {0})))
-        self._check_rule(store)
-
-    def _check_rule(self, store: Any) -> None:
-        """The adaptive rule's and the whole-model cache's options (``threshold``, ``max_skips``, ``forecast``,
-        ``whole_model``)."""
-        store("threshold", check_threshold(self.threshold))
-        store("max_skips", check_max_skips(self.max_skips, self.threshold))
-        store("forecast", check_forecast(self.forecast))
-        whole = as_bool(self.whole_model)
-        if whole is None:
-            raise ValueError(f"whole_model must be True (cache whole calls of the model) or False; got "
-                             f"{shown(self.whole_model)}")
-        store("whole_model", whole)
-        if whole and (self.depth != 1 or self.layers not in (AUTO, None)):
-            name, value = ("depth", self.depth) if self.depth != 1 else ("layers", self.layers)
-            raise ValueError(f"{name}={value!r} chooses the parts of a model a cached step runs; whole_model=True "
-                             f"runs none of it: leave {name} at its default")
-
-    def is_full(self, step: int) -> bool:
-        """Whether 0-based ``step`` of a generation runs the whole model under the fixed interval (with
-        ``threshold`` the rule decides the steps that :meth:`protects` leaves to it)."""
-        if step <= self.start or (self.stop is not None and step >= self.stop):
-            return True
-        if self.full_steps is not None:
-            return step in self.full_steps
-        return (step - self.start) % self.interval == 0
-
-    def protects(self, step: int, last: Optional[int] = None) -> bool:
-        """Whether ``step`` is full whatever the adaptive rule says: up to ``start``, from ``stop`` on, the steps of
-        ``full_steps``, and the ``last`` step of the generation (None: not known, outside a pipeline).
-
-        >>> config = CacheConfig(threshold=0.15, start=1)
-        >>> [step for step in range(6) if config.protects(step, last=5)]
-        [0, 1, 5]
-        """
-        if step <= self.start or (self.stop is not None and step >= self.stop) or (last is not None and step >= last):
-            return True
-        return self.full_steps is not None and step in self.full_steps
-
-    def to_dict(self) -> Dict[str, Any]:
-        return asdict(self)
-
-
 class _Step(threading.local):
     """This thread's call of the model in flight: what the deep parts do (``mode``: None outside a call or with
     gradients on, else ``"full"``, ``"cached"``, or ``"decide"`` until the adaptive rule has decided at the first
@@ -198,7 +73,9 @@ class _Step(threading.local):
     site = 0
     index = 0
     keep = False  # whether this call's work is kept, if it runs in full
+    saved: Tuple[Any, float, int] = (None, 0.0, 0)  # the adaptive rule's state of the site before this call
     program: Optional[bool] = None  # set by a StepProgram: the kind of step it fixes (True = full)
+    run: Optional[List[int]] = None  # this pipeline call's [calls, cached calls, last step, fallbacks before it]
 
     def __init__(self) -> None:
         self.sites: Dict[int, Site] = {}  # call site -> what it remembers
@@ -218,6 +95,7 @@ class StepCache:
         self.step = _Step()
         self.calls = self.full_calls = self.cached_calls = self.fallbacks = self.grad_calls = 0
         self.recent: Tuple[List[int], List[int]] = ([], [])  # site 0's full and cached steps of the latest generation
+        self.warned_all_full = False  # the "no cached step in a pipeline call" warning is given once
 
     def thread_state(self) -> _Step:
         return self.step
@@ -243,9 +121,31 @@ class StepCache:
     def reset(self) -> None:
         """The next call of the model (outside a pipeline: of any thread) is step 0, with nothing kept."""
         self.step.sites = {}
+        self.warned_all_full = False
         calls = model_calls(self.model)
         if calls is not None:
             calls.reset_clock()
+
+    def run_finished(self) -> None:
+        """A pipeline call's denoising loop finished (in this thread): warn, once, when it had calls of this model
+        and none was cached although the settings cache some step."""
+        run, self.step.run = self.step.run, None
+        if run is None or self.warned_all_full or not run[0] or run[1]:
+            return
+        reason = _why_all_full(self.config)
+        if reason is None:  # (interval=1, threshold=0, or full steps everywhere: every call full, as asked)
+            return
+        self.warned_all_full = True
+        steps, fallbacks = run[2] + 1, self.fallbacks - run[3]
+        shapes = (f" {fallbacks} of them because the input's shape differed from the kept step's (fallbacks)."
+                  if fallbacks else "")
+        warnings.warn(
+            f"The step cache on {type(self.model).__name__} ran every call of a pipeline call in full ({run[0]} "
+            f"call{'s' if run[0] != 1 else ''}, {steps} denoising step{'s' if steps != 1 else ''}), so it saved "
+            f"nothing.{shapes} {reason} (Said once; reset_cache says it again.)",
+            UserWarning,
+            stacklevel=2,
+        )
 
     def status(self) -> Dict[str, Any]:
         return {"settings": self.config.to_dict(), "layers": self.layout.layers, "deep_blocks": len(self.deep),
@@ -274,9 +174,13 @@ class StepCache:
         (a plain call, counted in ``grad_calls``)."""
         index, site_id, fresh = model_calls(self.model).position
         if fresh:
-            step.sites = {}
+            step.sites, step.run = {}, None
             if site_id == 0:
                 self.recent = ([], [])
+            run = None if self.warned_all_full else generation.current()
+            if run is not None:  # a pipeline call: its calls are counted, for the warning when none is cached
+                step.run = [0, 0, 0, self.fallbacks]
+                run.on_finish(self.run_finished)
         if paddle.is_grad_enabled():
             self.grad_calls += 1
             return None
@@ -285,6 +189,7 @@ class StepCache:
             if site is None:
                 site = step.sites[site_id] = Site()
             mode = self._adaptive_mode(index, site)
+            step.saved = (site.signal, site.accumulated, site.skips)  # (restored when the call does not finish)
         else:
             mode = "full" if site is None or self.config.is_full(index) else "cached"
         # the work of a full step is kept when a later step can use it
@@ -338,6 +243,11 @@ class StepCache:
         self.calls += 1
         if step.site == 0:
             self.recent[mode == "cached"].append(index)
+        counts = step.run
+        if counts is not None:
+            counts[0] += 1
+            counts[1] += mode == "cached"
+            counts[2] = index
         if mode == "cached":
             self.cached_calls += 1
             return
@@ -353,10 +263,12 @@ class StepCache:
             earlier.shape == pending.shape else None
         site.kept = pending
 
-    def failed(self, step: _Step) -> None:
-        """A call that raised or was interrupted leaves nothing for its site's next call."""
+    def failed(self, step: _Step, site: Optional[Site]) -> None:
+        """A call that raised or was interrupted keeps nothing and leaves its site as it was before the call (the
+        step clock takes the call back too, so the next call is the same step)."""
         step.mode, step.pending = None, None
-        step.sites.pop(step.site, None)
+        if site is not None and self.threshold is not None:
+            site.signal, site.accumulated, site.skips = step.saved
 
 
 class _ModelHook(Hook):
@@ -382,7 +294,7 @@ class _ModelHook(Hook):
         try:
             output = self.next(*args, **kwargs)
         except BaseException:
-            cache.failed(step)  # a failed or interrupted call leaves nothing for the next one
+            cache.failed(step, site)  # keeps nothing, and leaves the site as it was before the call
             raise
         mode, step.mode = step.mode, None
         cache.finish(step, site, index, mode)
@@ -398,6 +310,29 @@ class _ModelHook(Hook):
             return self.next(*args, **kwargs)
         finally:
             step.mode = None
+
+
+def _why_all_full(config: CacheConfig) -> Optional[str]:
+    """What to change when a pipeline call of a cache with ``config`` cached nothing (the end of the warning of
+    :meth:`StepCache.run_finished`); None when ``config`` caches no step at all (interval 1, threshold 0)."""
+    if config.threshold is not None:
+        if config.threshold == 0:
+            return None
+        return (f"With threshold={config.threshold!r} the adaptive rule found the deep part's input changed by at "
+                "least that much at every step it could cache (the first and the last step of a pipeline call, and "
+                "the steps of start, stop and full_steps, are always full): a larger threshold caches more; or use "
+                "more steps, or remove_cache.")
+    first = next((s for s in range(1, config.start + max(config.interval, len(config.full_steps or ())) + 2)
+                  if not config.is_full(s)), None)
+    if first is None:
+        return None
+    shown = ("full_steps", "start", "stop") if config.full_steps is not None else ("interval", "start", "stop")
+    settings = ", ".join(f"{k}={getattr(config, k)!r}" for k in shown
+                         if k == shown[0] or getattr(config, k) != getattr(CacheConfig, k))
+    return (f"With {settings} the first cached step is step {first} (0-based), and "
+            "steps are counted by the pipeline's denoising loop: a short run has none (few num_inference_steps, or "
+            "img2img and inpainting at a low strength, which denoise about strength x num_inference_steps steps; "
+            "PNDM's warm-up call belongs to step 0). Use more steps, a smaller interval or start, or remove_cache.")
 
 
 def _static_refusal(cache: StepCache) -> str:
@@ -440,15 +375,19 @@ def _denoiser(model: paddle.nn.Layer) -> bool:
         takes_latents(model)
 
 
-def _models(obj: Any, for_apply: bool, whole: bool = False) -> List[Tuple[str, paddle.nn.Layer]]:
+def _models(obj: Any, for_apply: bool, what: str, whole: bool = False) -> List[Tuple[str, paddle.nn.Layer]]:
     """The UNet, ControlNets or transformer a step cache goes on inside ``obj`` (``whole``: the denoiser a
-    whole-model cache goes on)."""
-    pipeline, models = resolve(obj, "apply_cache/remove_cache", _denoiser if whole else _cacheable)
+    whole-model cache goes on); bad input raises ``ValueError`` naming ``what``, the function called."""
+    pipeline, models = resolve(obj, what, _denoiser if whole else _cacheable)
     if for_apply and pipeline is not None and not models:
         fused = [name for name, model in pipeline_candidates(pipeline) if is_fused_sd3(model)]
         if fused:
             raise ValueError(fused_sd3_reason(f"{type(pipeline).__name__}.{fused[0]}", "the step cache") +
                              "; or cache whole calls of it: apply_cache(pipe, whole_model=True)")
+        for name, model in pipeline_candidates(pipeline):  # a transformer-only model that is too short
+            short = too_few_blocks(model, f"{type(pipeline).__name__}.{name}")
+            if short is not None:
+                raise ValueError(short)
         raise ValueError(f"apply_cache needs a pipeline with a UNet, a ControlNet or a transformer-only model (SD3, "
                          f"DiT, PixArt-alpha); {type(pipeline).__name__} has none")
     return models
@@ -485,17 +424,25 @@ def apply_cache(obj: Any, config: Optional[CacheConfig] = None, **options: Any) 
         3
         >>> pipe = pipe.remove_cache()
     """
+    return _apply_cache(obj, config, options, method=False)
+
+
+def _apply_cache(obj: Any, config: Any, options: Dict[str, Any], method: bool) -> Any:
+    """:func:`apply_cache` called as a function or (``method``) as the method ``obj.apply_cache``: a hint names the
+    call in the caller's form."""
     if config is not None and not isinstance(config, CacheConfig):
-        hint = " (the interval is a keyword: apply_cache(pipe, interval=3))" if is_int(config) else ""
+        meant = keyword_call(obj, "apply_cache", "interval", config, method)
+        hint = f" (the interval is a keyword: {meant})" if is_int(config) else ""
         raise ValueError(f"config must be None or a CacheConfig; got {type(config).__name__} {config!r}{hint}")
     unknown = sorted(set(options) - set(CONFIG_FIELDS))
     if unknown:
         raise ValueError(f"apply_cache got unknown option(s) {', '.join(unknown)}; the options are "
                          f"{', '.join(CONFIG_FIELDS)}")
     config = replace(config, **options) if config is not None else CacheConfig(**options)
-    models = _models(obj, for_apply=True, whole=config.whole_model)
+    models = _models(obj, for_apply=True, what="apply_cache", whole=config.whole_model)
     layouts = [_layout(model, config, name, obj) for name, model in models]  # every check before any change
-    cached = models if not config.whole_model else _models(obj, for_apply=False)  # (a pipeline's ControlNets too)
+    # (the whole-model cache replaces the caches of every model of obj: a pipeline's ControlNets too)
+    cached = models if not config.whole_model else _models(obj, for_apply=False, what="apply_cache")
     with LOCK:
         for name, model in cached + models:
             refuse_if_running(model, name, "the step cache")
@@ -523,7 +470,7 @@ def remove_cache(obj: Any) -> Any:
     >>> remove_cache(unet) is unet, get_cache(unet) is None, type(unet.mid_block).__name__
     (True, True, 'UNetMidBlock2DCrossAttn')
     """
-    models = _models(obj, for_apply=False)
+    models = _models(obj, for_apply=False, what="remove_cache")
     with LOCK:
         for name, model in models:
             if get_cache(model) is not None:
@@ -542,7 +489,7 @@ def reset_cache(obj: Any) -> Any:
     >>> reset_cache(unet) is unet
     True
     """
-    for _, model in _models(obj, for_apply=False):
+    for _, model in _models(obj, for_apply=False, what="reset_cache"):
         cache = get_cache(model)
         if cache is not None:
             cache.reset()
@@ -563,7 +510,7 @@ def cache_status(obj: Any) -> Dict[str, Optional[Dict[str, Any]]]:
     {'UNet2DConditionModel': None}
     """
     status = {}
-    for name, model in _models(obj, for_apply=False):
+    for name, model in _models(obj, for_apply=False, what="cache_status"):
         cache = get_cache(model)
         status[name] = None if cache is None else cache.status()
     return status
@@ -575,5 +522,3 @@ def deep_blocks(model: paddle.nn.Layer, depth: int = 1,
     :class:`CacheConfig` takes them), in call order (see :func:`~ppdiffusers_tome.cache.layout.layout_of`)."""
     return layout_of(model, CacheConfig(depth=depth, layers=layers)).deep
 
-
-CONFIG_FIELDS = tuple(field.name for field in fields(CacheConfig))

@@ -111,7 +111,7 @@ class WholeModelHook(Hook):
         try:
             output = self._step(cache, step, site, index, mode, args, kwargs)
         except BaseException:
-            cache.failed(step)  # a failed or interrupted call leaves nothing for the next one
+            cache.failed(step, site)  # keeps nothing, and leaves the site as it was before the call
             raise
         mode, step.mode = step.mode, None
         cache.finish(step, site, index, mode)

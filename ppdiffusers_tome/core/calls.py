@@ -42,6 +42,10 @@ class ModelCalls(Hook):
         self.running[ident] = depth
         try:
             return self.next(*args, **kwargs)
+        except BaseException:
+            if depth == 1 and self.clock is not None:
+                self.clock.untick()  # a call that did not finish (an error, Ctrl-C) is no step
+            raise
         finally:
             local.depth = depth - 1
             if depth == 1:

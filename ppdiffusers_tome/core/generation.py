@@ -14,13 +14,14 @@ the model twice per step (Heun, KDPM2) and PNDM's warm-up call are counted as th
 :class:`StepClock` turns that into ``(step, site)`` per model and thread: ``site`` numbers the calls of one step (the
 unconditioned half of split guidance, one view of a panorama, the degraded call of self-attention guidance), so each
 call site keeps what it remembers apart. A model called outside any pipeline counts every call as a step of its own,
-from the clock's last :meth:`StepClock.reset`.
+from the clock's last :meth:`StepClock.reset`. A call that does not finish is no step (:meth:`StepClock.untick`). The
+listeners of a :class:`Generation` hear when its loop finishes (the step cache warns when it cached nothing).
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Any, Iterable, Iterator, Optional, Tuple
+from typing import Any, Callable, Iterable, Iterator, List, Optional, Tuple
 
 __all__ = ["Generation", "StepClock", "current", "hold", "holders", "release"]
 
@@ -45,27 +46,41 @@ class Generation:
     ``total`` the number its progress bar was given (``total=``, or the length of the timesteps it iterates; None
     when it has none), so the last step is ``total - 1``."""
 
-    __slots__ = ("steps", "outer", "total")
+    __slots__ = ("steps", "outer", "listeners", "total")
 
     def __init__(self, outer: Optional["Generation"], total: Optional[int] = None) -> None:
         self.steps = 0
         self.outer = outer  # the generation this one is nested in (a pipeline called inside another's loop)
+        self.listeners: Optional[List[Callable[[], None]]] = None
         self.total = total
 
-    def end(self) -> None:
-        """The loop is over: the thread goes back to the generation around it (usually none)."""
+    def on_finish(self, listener: Callable[[], None]) -> None:
+        """Call ``listener()`` (in this thread) when the loop finishes; not when it ends with an exception."""
+        if self.listeners is None:
+            self.listeners = []
+        self.listeners.append(listener)
+
+    def end(self, finished: bool = True) -> None:
+        """The loop is over (``finished``: ran to its end): the thread goes back to the generation around it
+        (usually none), then the listeners of a finished loop are called."""
         if THREAD.generation is self:
             THREAD.generation = self.outer
+            listeners, self.listeners = self.listeners, None
+            if finished and listeners:
+                for listener in listeners:
+                    listener()
 
 
 def _counted(bar: Iterable[Any], generation: Generation) -> Iterator[Any]:
     """Iterate ``bar`` (the pipeline's progress bar over its timesteps), one denoising step per item."""
+    finished = False
     try:
         for step, item in enumerate(bar):
             generation.steps = step
             yield item
+        finished = True
     finally:
-        generation.end()
+        generation.end(finished)
 
 
 class _Bar:
@@ -80,7 +95,7 @@ class _Bar:
         return self
 
     def __exit__(self, *exc: Any) -> Any:
-        self.generation.end()
+        self.generation.end(finished=exc[0] is None)
         return self.bar.__exit__(*exc)
 
     def update(self, n: int = 1) -> Any:
@@ -153,6 +168,7 @@ class _Position(threading.local):
     generation: Optional[Generation] = None
     step = -1
     site = 0
+    before: Optional[Tuple[Any, int, int, int]] = None  # the position before the latest tick, for untick
 
 
 class StepClock:
@@ -173,6 +189,7 @@ class StepClock:
     def tick(self) -> Tuple[int, int, bool]:
         """The position of the call that starts now: ``(step, site, new generation)``."""
         position, generation = self._position, THREAD.generation
+        position.before = (position.generation, position.step, position.site, self._epochs.step)
         if generation is not None:
             fresh = position.generation is not generation
             if fresh or position.step != generation.steps:
@@ -186,6 +203,20 @@ class StepClock:
         position.step += 1
         position.site = 0
         return position.step, 0, fresh
+
+    def untick(self) -> None:
+        """Take back this thread's latest :meth:`tick`: its call did not finish (an error, Ctrl-C), so it is no
+        step, and the next call gets the position it had.
+
+        >>> clock = StepClock()
+        >>> clock.tick(); clock.untick(); clock.tick()
+        (0, 0, True)
+        (0, 0, True)
+        """
+        position = self._position
+        if position.before is not None:
+            position.generation, position.step, position.site, self._epochs.step = position.before
+            position.before = None
 
     def reset(self) -> None:
         """Start a new generation for calls outside a pipeline (in every thread), and forget this thread's

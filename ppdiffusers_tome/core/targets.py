@@ -13,7 +13,7 @@ from typing import Any, Callable, List, Optional, Tuple
 import paddle
 
 __all__ = ["SKIPPED_COMPONENTS", "Targets", "fused_sd3_reason", "is_fused_layer", "is_fused_sd3",
-           "is_multi_controlnet", "pipeline_candidates", "resolve"]
+           "is_multi_controlnet", "keyword_call", "pipeline_candidates", "resolve"]
 
 # components of a pipeline that no technique acts on, whatever they contain
 SKIPPED_COMPONENTS = ("vae", "vqvae", "text_encoder", "tokenizer", "safety_checker", "feature_extractor",
@@ -59,6 +59,21 @@ def _expand(obj: Any, name: str, strict: bool, what: str) -> Targets:
     if strict:
         raise bad_input(obj, what)
     return []
+
+
+def keyword_call(obj: Any, name: str, keyword: str, value: Any, method: bool) -> str:
+    """The call ``name`` with ``value`` passed as the keyword ``keyword``, in the form the caller used: the method of
+    ``obj`` (``pipe`` for a pipeline, ``model`` otherwise) or the function taking it first.
+
+    >>> keyword_call(object(), "apply_tome", "ratio", 0.5, method=True)
+    'model.apply_tome(ratio=0.5)'
+    >>> keyword_call(object(), "apply_cache", "interval", 3, method=False)
+    'apply_cache(model, interval=3)'
+    """
+    from ppdiffusers import DiffusionPipeline
+
+    owner = "pipe" if isinstance(obj, DiffusionPipeline) else "model"
+    return f"{owner}.{name}({keyword}={value!r})" if method else f"{name}({owner}, {keyword}={value!r})"
 
 
 def bad_input(obj: Any, what: str) -> ValueError:

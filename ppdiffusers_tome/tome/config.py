@@ -39,7 +39,7 @@ MAX_STRIDE = 64
 # Largest match_window: 128 tokens per side is the whole 1x grid of a 1024 px image (local matching then equals
 # global matching, with a dense [N - r, N] plan per image: beyond that a dense plan stops being small).
 MAX_WINDOW = 128
-SHARE_PLAN = ("block", "level")
+SHARE_PLAN = ("auto", "block", "level")
 POLICIES = ("auto", "tomesd")
 MATCH_ORDERS = ("grid", "feature")
 _SCHEDULE_PROBES = 11  # a ratio callable is checked at progress 0, 0.1, ..., 1 when the config is made
@@ -163,9 +163,11 @@ class ToMeConfig:
             grid windows. A plan costs about 20 more operators than in grid order (56-58 against 35 at 16
             windows, GPU kernels), and on a GPU merge and unmerge use one ``gather_nd`` each instead of a
             ``gather`` and a reshape. Needs ``match_window``.
-        share_plan: ``"block"`` (the default: every block matches its own input, as in tomesd) or ``"level"``: the
-            first merging block at each token count plans, and the others at that count reuse its plan in the
-            same call (and, with ``recompute_every``, across steps).
+        share_plan: ``"block"``: every block matches its own input, as in tomesd; ``"level"``: the first merging
+            block at each token count plans, and the others at that count reuse its plan in the same call (and,
+            with ``recompute_every``, across steps); ``"auto"`` (the default): ``"level"`` for SD3's joint blocks
+            on GPU kernels (one plan per call for every joint block: all of them run at the same token count),
+            ``"block"`` everywhere else (UNets, DiT, and SD3 on CPU kernels).
         min_tokens: merge only in blocks whose ``batch * tokens`` is at least this (an integer >= 0; 0, the
             default, merges everywhere). Below some size the plan costs more than the attention it saves (on a GPU
             with FlashAttention, at 512 px and one image); skipped blocks are counted by ``tome_stats``.
@@ -178,12 +180,15 @@ class ToMeConfig:
         policy: ``"auto"`` (the default) or ``"tomesd"``. ``"tomesd"`` merges every eligible block as tomesd
             does, on any device. ``"auto"`` does the same on CPU kernels; on GPU kernels it skips the blocks whose
             attention work is below ``min_work`` and, where merging pays and the plan settings are the defaults,
-            pools the keys and values instead of matching (see :mod:`ppdiffusers_tome.tome.policy`). Settings you
-            give always keep their plan; ``tome_status`` says what was chosen per level and why.
+            pools the keys and values instead of matching (on SD3's joint blocks: the image keys and values,
+            ToDo's 2 x 2 downsampling; see :mod:`ppdiffusers_tome.tome.policy`). Settings you give always keep their
+            plan; ``tome_status`` says what was chosen per level and why.
         min_work: the ``"auto"`` policy's threshold on a block's attention work, ``batch * tokens**2``: blocks
             below it are skipped. ``None`` (the default) means, on GPU kernels, 2**26 where the policy pools (512 px
             with one image is skipped, 768 px with one image pools) and 2**28 where the settings keep their plan
-            (512 px with eight images merges), and 0 on CPU kernels; ``0`` merges everywhere.
+            (512 px with eight images merges); on SD3's joint blocks (image tokens) 2**23 where the policy
+            downsamples the image keys and values or ToDo runs (512 px with four images, 768 px with one) and
+            2**25 where ToMe's plan runs (1024 px with one image); 0 on CPU kernels. ``0`` merges everywhere.
             ``bench --calibrate`` measures the break-even on your GPU. Not allowed with ``policy="tomesd"``.
 
     >>> ToMeConfig(ratio=0.3).tokens_to_merge(4096)
@@ -209,7 +214,7 @@ class ToMeConfig:
     recompute_every: Union[int, Tuple[int, ...]] = 1
     match_window: Optional[int] = None
     match_order: str = "grid"
-    share_plan: str = "block"
+    share_plan: str = "auto"
     min_tokens: int = 0
     deterministic: bool = False
     policy: str = "auto"
@@ -300,7 +305,8 @@ class ToMeConfig:
         work = self.min_work
         if work is not None and (not is_int(work) or work < 0):
             raise ValueError(
-                "min_work must be None (the policy's default: 2**26 or 2**28 on GPU kernels, 0 on CPU kernels) or an integer "
+                "min_work must be None (the policy's default: 2**26 or 2**28 on GPU kernels, 2**23 or 2**25 on SD3's "
+                "joint blocks, 0 on CPU kernels) or an integer "
                 f">= 0 (merge only in blocks where batch * tokens**2 reaches it); got {shown(work)}"
             )
         if work is not None and policy == "tomesd":

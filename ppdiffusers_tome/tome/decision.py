@@ -19,6 +19,7 @@ import paddle
 from ..ops.partition import find_downsample
 from ..ops.windows import window_sides
 from .config import ToMeConfig, tokens_to_merge
+from .joint_attention import attention_core
 from .policy import POOL, SKIP, Policy
 from .state import ToMeStaticGraphError
 
@@ -96,9 +97,11 @@ class Settings:
         self.auto_level = config.max_downsample == "auto"
         self.max_downsample = None if self.auto_level else int(config.max_downsample)
         self.patch_size: int | None = patch_size_of(model)
-        # SD3's joint attention: the policy merges where it pays instead of pooling (K/V pooling runs there, as ToDo
-        # does, but was never measured on a GPU against merging)
-        self.joint = any(type(block).__name__ == "JointTransformerBlock" for _, block in blocks)
+        # SD3's joint attention: the policy's thresholds and plan for it (see policy.py); its downsampling of the
+        # image keys and values needs the attention core of every joint layer's processor
+        joint_blocks = [block for _, block in blocks if type(block).__name__ == "JointTransformerBlock"]
+        self.joint = bool(joint_blocks)
+        joint_pools = all(attention_core(block.attn.processor) is not None for block in joint_blocks)
         self.auto_finest: int | None = None
         if self.auto_level and self.patch_size is None:
             self.auto_finest = finest_block_level(model, blocks)
@@ -106,7 +109,7 @@ class Settings:
         self.sx, self.sy = config.sx, config.sy
         self.factor, self.mode = config.downsample_factor, config.downsample_mode
         self.match_window = config.match_window
-        self.policy = Policy(config, joint=self.joint)
+        self.policy = Policy(config, joint=self.joint, joint_pools=joint_pools)
 
 
 class BlockDecision:
@@ -114,15 +117,17 @@ class BlockDecision:
     merge but ``min_tokens`` or the policy said no, ``"pool"``: the policy's K/V pooling, ``"todo"``: ToDo's
     downsampling, ``"merge"``: a merge plan at ``ratio``), the block's ``level`` and ``grid`` (when known), the
     policy's decision (when asked); ``reason`` names the rule that decided (one of :data:`REASONS`) and ``why``
-    says it in words."""
+    says it in words; ``shared``: a merge whose plan is made once per call and token count (the policy's choice,
+    from ``share_plan``)."""
 
-    __slots__ = ("action", "reason", "level", "grid_h", "grid_w", "ratio", "policy", "why", "tokens")
+    __slots__ = ("action", "reason", "level", "grid_h", "grid_w", "ratio", "policy", "why", "tokens", "shared")
 
     def __init__(self, action: str, reason: str, why: str, grid: Optional[Tuple[int, int, int]] = None,
                  ratio: float = 0.0, policy: Any = None, tokens: int = 0) -> None:
         self.action, self.reason, self.why, self.ratio, self.policy = action, reason, why, ratio, policy
         self.level, self.grid_h, self.grid_w = grid if grid is not None else (None, 0, 0)
         self.tokens = tokens  # with reason "rounds": the tokens the ratio is applied to (a block's or a window's)
+        self.shared = action == MERGE and policy is not None and policy.shared
 
     def __repr__(self) -> str:
         return f"BlockDecision({self.action!r}, level={self.level}, grid={self.grid_h}x{self.grid_w}: {self.why})"
@@ -201,4 +206,5 @@ def decide(settings: Settings, tokens: int, batch: int, grid: Optional[Tuple[int
         if min(tokens_to_merge(wy * wx, ratio), wy * wx - cells) <= 0:
             return BlockDecision(OFF, "rounds", f"int({wy * wx} * {ratio:g}) = 0 tokens to merge in each "
                                  f"{wy * wx}-token match_window", grid, policy=policy, tokens=wy * wx)
-    return BlockDecision(MERGE, "merge", f"merge at ratio {ratio:g}", grid, ratio, policy)
+    shared = " with one plan per call" if policy.shared else ""
+    return BlockDecision(MERGE, "merge", f"merge at ratio {ratio:g}{shared}", grid, ratio, policy)

@@ -55,6 +55,9 @@ class ModelHook(Hook):
         eager = begin_eager()
         try:
             output = self.next(*args, **kwargs)
+        except BaseException:
+            patch.abandon_call(record)
+            raise
         finally:
             end_eager(eager)
             local.call = outer

@@ -31,7 +31,16 @@ from .decision import OFF, POOLED, SKIPPED, BlockDecision, Settings, block_level
 from .hooks import TENSOR_TYPES, BlockHook, ModelHook, SublayerHook
 from .joint_attention import attention_core
 from .planner import Planner
-from .state import CallRecord, Counters, ToMeState, ToMeStaticGraphError, progress_of, refuse_conversion
+from .state import (
+    CallRecord,
+    Counters,
+    ToMeState,
+    ToMeStaticGraphError,
+    progress_of,
+    refuse_conversion,
+    refuse_dynamic_size,
+    refuse_dynamic_tokens,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +120,8 @@ class ModelPatch:
         self.timestep_arg = _timestep_index(model)
         self.scheduled = config.is_scheduled
         self.needs_python = self.scheduled or config.caches_plans  # what a static graph cannot hold
+        # whether any block call may plan (ToDo, a ratio above 0 or a schedule): then the token grid must be known
+        self.plans = self.settings.merges_something and (self.settings.todo or self.scheduled or config.ratio > 0)
         # the blocks that can merge (all of them unless the model's structure says each one's level)
         levels = block_levels(model, all_blocks) if self.settings.merges_something else None
         limit = self.settings.auto_finest if self.settings.auto_level else self.settings.max_downsample
@@ -298,6 +309,8 @@ class ModelPatch:
         timestep = args[index] if len(args) > index else kwargs.get("timestep")
         shape = getattr(sample, "shape", None)
         latent_hw = (int(shape[-2]), int(shape[-1])) if shape is not None and len(shape) == 4 else None
+        if latent_hw is not None and (latent_hw[0] < 0 or latent_hw[1] < 0) and self.plans:  # (-1: tracing)
+            refuse_dynamic_size(type(self.model).__name__, "ToDo" if self.settings.todo else "ToMe", shape)
         ratio = self.config.ratio
         if self.scheduled and self.settings.merges_something and not self.settings.todo:
             progress = progress_of(timestep, self.train_timesteps, self.counters)
@@ -340,6 +353,12 @@ class ModelPatch:
         if not record.merged_blocks and not self.counters.warned_no_merge:
             self._warn_if_nothing_merged(record)
 
+    def abandon_call(self, record: CallRecord) -> None:
+        """A call did not finish (an error, Ctrl-C): forget the plans it kept for later steps, as its step is
+        taken back (the model's step clock does that)."""
+        if self.planner.caches:
+            self.planner.cache.forget(record.step, record.site)
+
     def plan_block(self, index: int, hidden: Any, call: CallRecord) -> Any:
         """The plan of block ``index`` for its input ``hidden`` in ``call`` (None when it does not merge)."""
         if call.latent_hw is None or not isinstance(hidden, TENSOR_TYPES) or hidden.ndim != 3:
@@ -350,6 +369,8 @@ class ModelPatch:
         if where in grids:
             grid = grids[where]
         else:
+            if tokens < 0 and self.plans:  # (a dynamic token count while tracing: no grid is known)
+                refuse_dynamic_tokens(type(self.model).__name__, "ToDo" if self.settings.todo else "ToMe", hidden.shape)
             grid = grids[where] = grid_of(self.settings, call.latent_hw, tokens)
         if grid is not None and (call.finest_level is None or grid[0] < call.finest_level):
             call.finest_level = grid[0]

@@ -2,7 +2,8 @@
 
 K/V pooling and ToDo get a :class:`~ppdiffusers_tome.ops.downsample.DownsamplePlan` (one plan builder for both,
 differing in factor and mode). A merge gets, in this order: the plan an earlier block of the same call made at the
-same token count (``share_plan="level"``), the plan kept from an earlier step for this block and call site
+same token count (when the decision says the plan is shared: ``share_plan="level"``, or SD3's joint blocks on GPU
+kernels with ``share_plan="auto"``), the plan kept from an earlier step for this block and call site
 (``recompute_every``), or a new plan: matching inside windows (``match_window``) or over the whole grid. The random
 partitions are drawn once per call and grid for every block at once, on the device, from the timestep tensor (one
 picker, :func:`~ppdiffusers_tome.ops.partition.pick_partitions`, over the grid's or the windows'
@@ -34,8 +35,8 @@ class Planner:
     >>> from ppdiffusers_tome.testing import tiny_unet
     >>> from ppdiffusers_tome.tome.patch import find_blocks
     >>> planner = Planner(ToMeConfig(), num_blocks=len(find_blocks(tiny_unet())))
-    >>> planner.caches, planner.share_level
-    (False, False)
+    >>> planner.caches, planner.num_blocks
+    (False, 7)
     """
 
     def __init__(self, config: ToMeConfig, num_blocks: int):
@@ -43,7 +44,6 @@ class Planner:
         self.num_blocks = num_blocks
         # plain attributes read on the traced path (Paddle's SOT tracer cannot call dataclass properties)
         self.caches = config.caches_plans
-        self.share_level = config.share_plan == "level"
         self.cache = PlanCache(config.recompute_every) if self.caches else None
 
     def plan(self, decision: BlockDecision, block_index: int, hidden: Any, call: CallRecord,
@@ -58,14 +58,15 @@ class Planner:
         if action != MERGE:
             return None
         tokens = hidden.shape[1]
-        if self.share_level:  # an earlier block of this call planned at this token count
-            shared = call.shared
-            plan = shared[tokens] if tokens in shared else None
+        shared = decision.shared
+        if shared:  # an earlier block of this call planned at this token count
+            plans = call.shared
+            plan = plans[tokens] if tokens in plans else None
             if plan is not None and plan.batch_size == hidden.shape[0]:
                 counters.plans_shared += 1
                 return plan
         grid = (decision.grid_h, decision.grid_w)
-        key = f"level{tokens}" if self.share_level else str(block_index)
+        key = f"level{tokens}" if shared else str(block_index)
         plan = self.cache.lookup(key, call, hidden.shape[0], grid) if self.caches else None
         if plan is not None:
             counters.plans_reused += 1
@@ -78,7 +79,7 @@ class Planner:
             counters.plans_computed += 1
             if self.caches:
                 self.cache.store(key, call, plan, grid)
-        if self.share_level:
+        if shared:
             call.shared[tokens] = plan
         return plan
 

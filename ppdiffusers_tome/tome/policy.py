@@ -14,9 +14,13 @@
   vanilla in every table (docs/gpu.md). Any option that shapes the plan, set to other than its default
   (``match_window``, ``share_plan``, ``use_rand``, ``seed``, ``method``, ...), a ratio schedule or a ratio below
   :data:`POOL_MIN_RATIO` keeps the settings' plan: an option a user sets wins over the policy.
-* **SD3** (``JointTransformerBlock``, GPU kernels): the threshold is :data:`JOINT_MIN_WORK` and the policy never
-  pools; above it the settings' plan runs (ToMe's merge, or ToDo's downsampled image keys and values with
-  ``method="todo"``).
+* **SD3** (``JointTransformerBlock``, GPU kernels): with the default plan settings a block whose
+  ``batch * tokens**2`` (image tokens) is below :data:`JOINT_MIN_WORK` runs as vanilla, and at or above it gets ToDo's
+  2 x 2 downsampling of the image keys and values (the policy's pooling: every query, the text stream and the MLP
+  stay full), the fastest plan measured on SD3. Settings that keep their plan merge from
+  :data:`JOINT_MERGE_MIN_WORK` (ToDo with ``method="todo"`` from :data:`JOINT_MIN_WORK`), and, with
+  ``share_plan="auto"``, one plan per call is shared by every joint block (also with ``policy="tomesd"``). On CPU
+  kernels SD3 merges as tomesd, a plan per block.
 
 A program traced with a dynamic batch cannot read its batch size: the decision then assumes
 :data:`ASSUMED_BATCH` (one image with classifier-free guidance), so it depends on shapes known when tracing only.
@@ -31,9 +35,10 @@ from typing import Any
 
 from ..ops.runtime import KERNELS, device_kind, tracing
 from .config import ToMeConfig
+from .state import ToMeStaticGraphError
 
-__all__ = ["ASSUMED_BATCH", "JOINT_MIN_WORK", "MERGE_MIN_WORK", "POOL_MIN_RATIO", "POOL_MIN_WORK", "Decision", "Policy",
-           "pools_by_default"]
+__all__ = ["ASSUMED_BATCH", "JOINT_MERGE_MIN_WORK", "JOINT_MIN_WORK", "MERGE_MIN_WORK", "POOL_MIN_RATIO",
+           "POOL_MIN_WORK", "Decision", "Policy", "pools_by_default"]
 
 logger = logging.getLogger(__name__)
 
@@ -43,13 +48,27 @@ logger = logging.getLogger(__name__)
 # 2.7e8 = 2**28 (512 px, eight images: 0.96-1.08x), gaining above it.
 POOL_MIN_WORK = 2**26
 MERGE_MIN_WORK = 2**28
-# SD3's MMDiT (on paper, not measured on a GPU): merging there also shrinks the image stream's projections and MLP, a
-# block's FLOPs grow about linearly in the tokens, and every block runs at the full token count. On an H100 a block of
-# SD3-medium at 1024 px, batch 2 (4096 image tokens: batch * tokens**2 = 3.4e7) is about 1.5 ms of FP16 work, of
-# which merging half the image tokens saves about 0.7 ms, more than a plan's ~1 ms of host time, which the GPU's work
-# hides; at 512 px (2.1e6) the block is 0.3 ms and the plan's host time is not hidden. 2**23 = 8.4e6 sits between
-# the two on a log scale (docs/gpu.md, the SD3 section).
+# SD3's MMDiT, by batch * image tokens**2, from a PyTorch transcription of SD3's joint block timed on an NVIDIA H200
+# (FP16, FlashAttention, SD3-medium's 24 x 1536 layout, 333 text tokens; speed-up over vanilla in eager mode, then as a
+# CUDA graph; docs/gpu.md section 9, raw files in docs/measurements/h200/). ToDo's 2 x 2 image key/value downsampling:
+#   512 px, batch 2 (2 * 1024**2 = 2.1e6): 0.89-1.03x, 1.04x (SD3.5-large: 0.97x, 1.10x)
+#   512 px, batch 8 (8 * 1024**2 = 8.4e6): 1.06x, 1.09x
+#   768 px, batch 2 (2 * 2304**2 = 1.1e7): 0.70-1.14x, 1.16-1.17x
+#   768 px, batch 8 (4.2e7): 1.18x, 1.19x; 1024 px, batch 2 (3.4e7): 1.28-1.29x, 1.30-1.32x; batch 8: 1.31x, 1.31x
+# 512 px with one image gained at most 1.04x as a CUDA graph (1.10x on SD3.5-large) and lost in eager mode, the mode
+# Paddle's dygraph runs (its host time per operator on a GPU was not measured); from 768 px with one image every
+# CUDA-graph run gained 1.16x or more (eager runs there swung between 0.70x and 1.14x: host-bound). 2**23 = 8.4e6, 512 px with four images, is the smallest
+# product measured above 512 px with one image, and gained in both modes: so 512 px downsamples from four images per
+# call (two images, 2**22, were not measured and stay vanilla), 768 px and 1024 px from one.
 JOINT_MIN_WORK = 2**23
+# ToMe's plan on SD3 (r = 0.5, attention only), one plan per call shared by every block / a plan per block:
+#   512 px, batch 8 (8.4e6): shared 0.82x, 1.04x; per block 0.61x, 0.95x
+#   768 px, batch 2 (1.1e7): shared 0.69-1.01x, 1.08x; per block 0.54-0.74x, 0.92x
+#   1024 px, batch 2 (3.4e7): shared 1.13-1.14x, 1.22-1.23x; per block 1.01-1.03x, 1.08-1.09x
+#   768 px, batch 8 (4.2e7): shared 1.12x, 1.15x; per block 1.02x, 1.04x
+# Below 1024 px with one image a plan per block lost in both modes and a shared plan lost or at best broke even in
+# eager mode: 2**25 = 2 * 4096**2, that product, is where merging starts.
+JOINT_MERGE_MIN_WORK = 2**25
 ASSUMED_BATCH = 2
 POOL_MIN_RATIO = 0.3  # the smallest ratio at which K/V pooling was measured closer to vanilla than merging
 
@@ -58,27 +77,37 @@ MERGE, POOL, SKIP = "merge", "pool", "skip"
 
 class Decision:
     """What the policy chose for block calls of one shape: ``action`` (``"merge"``: the settings' plan, ``"pool"``:
-    K/V pooling, ``"skip"``: no merging), on ``kernels``, for ``batch`` (``-1``: dynamic) x ``tokens``."""
+    K/V pooling, ``"skip"``: no merging), on ``kernels``, for ``batch`` (``-1``: dynamic) x ``tokens``; ``joint``:
+    the blocks are SD3's (the pooling is then of the image keys and values); ``shared``: a merge plan is made once per
+    call and token count and used by every block there (``share_plan``)."""
 
-    def __init__(self, action: str, kernels: str, batch: int, tokens: int, work: int, threshold: int, policy: str):
+    def __init__(self, action: str, kernels: str, batch: int, tokens: int, work: int, threshold: int, policy: str,
+                 joint: bool = False, shared: bool = False):
         self.action, self.kernels, self.batch, self.tokens = action, kernels, batch, tokens
         self.work, self.threshold, self.policy = work, threshold, policy
+        self.joint, self.shared = joint, shared
 
     def why(self) -> str:
         """One line: the numbers behind the choice."""
         batch = f"batch {self.batch}" if self.batch >= 0 else f"dynamic batch (assumed {ASSUMED_BATCH})"
         size = (f"{batch} x {self.tokens} tokens on {self.kernels.upper()} kernels: "
                 f"batch * tokens**2 = {_exact(self.work)}")
+        shared = ", one plan per call shared by every block" if self.shared else ""
         if self.policy == "tomesd":
-            return f"{size}; policy='tomesd' merges every eligible block"
+            return f"{size}; policy='tomesd' merges every eligible block{shared}"
         if self.action == SKIP:
             return f"{size} < min_work = {_exact(self.threshold)}: merging would cost more than it saves"
-        plan = "K/V pooling (the cheapest plan, closest to vanilla)" if self.action == POOL else "the settings' plan"
+        if self.action == POOL and self.joint:
+            plan = "ToDo's 2x2 downsampling of the image keys and values (the fastest plan measured on SD3)"
+        elif self.action == POOL:
+            plan = "K/V pooling (the cheapest plan, closest to vanilla)"
+        else:
+            plan = f"the settings' plan{shared}"
         return f"{size} >= min_work = {_exact(self.threshold)}: {plan}"
 
     def as_dict(self) -> dict[str, Any]:
         return {"action": self.action, "kernels": self.kernels, "batch": self.batch, "tokens": self.tokens,
-                "work": self.work, "min_work": self.threshold, "why": self.why()}
+                "work": self.work, "min_work": self.threshold, "shared": self.shared, "why": self.why()}
 
 
 def _exact(number: float) -> str:
@@ -106,16 +135,35 @@ class Policy:
     ('skip', 'pool')
     >>> policy.decide(paddle.zeros([2, 4096, 8]), "cpu").action
     'merge'
+
+    On SD3's joint blocks (image tokens of 512, 768 and 1024 px with one image):
+
+    >>> joint = Policy(ToMeConfig(), joint=True)
+    >>> [joint.decide_shape("gpu", 2, tokens).action for tokens in (1024, 2304, 4096)]
+    ['skip', 'pool', 'pool']
+    >>> merging = Policy(ToMeConfig(merge_mlp=True), joint=True)
+    >>> [(d.action, d.shared) for d in (merging.decide_shape("gpu", 2, 2304), merging.decide_shape("gpu", 2, 4096))]
+    [('skip', False), ('merge', True)]
     """
 
-    def __init__(self, config: ToMeConfig, joint: bool = False):
+    def __init__(self, config: ToMeConfig, joint: bool = False, joint_pools: bool = True):
         self.name = config.policy
         self.auto = config.policy == "auto"
         self.min_work = config.min_work
-        # SD3's joint attention: the settings' plan (ToMe, or ToDo with method="todo") where it pays; K/V pooling
-        # runs there too but no GPU measurement says it beats merging, so the policy does not choose it
-        self.pools = self.auto and not joint and pools_by_default(config)
-        self.merge_min_work = JOINT_MIN_WORK if joint else MERGE_MIN_WORK
+        self.joint = joint
+        # SD3's joint attention: the policy's pooling is ToDo's downsampling of the image keys and values, which runs
+        # the joint attention with the core of the layer's processor (``joint_pools``: every core is known)
+        self.pools = self.auto and pools_by_default(config) and (joint_pools or not joint)
+        if joint:
+            self.pool_min_work = JOINT_MIN_WORK
+            self.merge_min_work = JOINT_MIN_WORK if config.method == "todo" else JOINT_MERGE_MIN_WORK
+        else:
+            self.pool_min_work, self.merge_min_work = POOL_MIN_WORK, MERGE_MIN_WORK
+        # one merge plan per call and token count: asked for, or SD3's blocks on GPU kernels with share_plan="auto"
+        # (ToDo has no plan to share)
+        tome = config.method == "tome"
+        self.share_level = tome and config.share_plan == "level"
+        self.share_joint = tome and joint and config.share_plan == "auto"
         self._decisions: dict[tuple[str, int, int], Decision] = {}
         self.warned = False
 
@@ -135,23 +183,29 @@ class Policy:
         return decision
 
     def _decide(self, kernels: str, batch: int, tokens: int) -> Decision:
+        if tokens < 0:  # (a dynamic token count while tracing: the work is unknown)
+            raise ToMeStaticGraphError(
+                "ToMe's policy decides from a block's batch * tokens**2, and this block's token count is dynamic in "
+                "the traced program; give the InputSpec a fixed height and width, or convert in SOT mode")
         work = (batch if batch >= 0 else ASSUMED_BATCH) * tokens * tokens
-        if not self.auto:
-            return Decision(MERGE, kernels, batch, tokens, work, 0, self.name)
         # where every operator is a kernel launch (the GPU family), a small block costs more than merging saves
         launch_bound = KERNELS[kernels].few_launches
+        shared = self.share_level or (self.share_joint and launch_bound)
+        if not self.auto:
+            return Decision(MERGE, kernels, batch, tokens, work, 0, self.name, self.joint, shared)
         pools = launch_bound and self.pools
         if self.min_work is not None:
             threshold = self.min_work
         elif launch_bound:
-            threshold = POOL_MIN_WORK if pools else self.merge_min_work
+            threshold = self.pool_min_work if pools else self.merge_min_work
         else:
             threshold = 0
         if work < threshold:
             action = SKIP
         else:
             action = POOL if pools else MERGE
-        return Decision(action, kernels, batch, tokens, work, threshold, self.name)
+        return Decision(action, kernels, batch, tokens, work, threshold, self.name, self.joint,
+                        shared and action == MERGE)
 
     def log_first_skip(self, decision: Decision, model_name: str) -> None:
         """Log the first skip of this patch, once, naming the options that force merging (not while tracing)."""

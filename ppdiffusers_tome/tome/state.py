@@ -26,7 +26,7 @@ import paddle
 from ..core.registry import StaticGraphError
 
 __all__ = ["CallRecord", "Counters", "PlanCache", "ToMeState", "ToMeStaticGraphError", "refuse_conversion",
-           "timestep_values"]
+           "refuse_dynamic_size", "refuse_dynamic_tokens", "timestep_values"]
 
 
 try:
@@ -53,6 +53,34 @@ def refuse_conversion(scheduled: bool) -> None:
         "it reads the timestep or counts steps at run time (the scheduled ratio decides how many tokens merge, a "
         "shape; the plan cache counts steps) and would be frozen into the program. Use a constant ratio and "
         "recompute_every=1 before converting."
+    )
+
+
+def refuse_dynamic_size(model: str, technique: str, shape: Any) -> None:
+    """Raise :class:`ToMeStaticGraphError` for a program traced with a dynamic latent height or width (``-1`` in
+    ``shape``, ``[B, C, H, W]``): the token grid is a shape, so neither a merge nor ToDo's downsampling can be
+    planned on it, and an unplanned program would silently compute vanilla's output."""
+    _run_as_python()  # (see refuse_conversion)
+    height, width = int(shape[-2]) < 0, int(shape[-1]) < 0
+    dynamic = "height and width" if height and width else "height" if height else "width"
+    raise ToMeStaticGraphError(
+        f"{technique} on {model} cannot be converted with a dynamic latent {dynamic} (the sample's shape while "
+        f"tracing is {list(shape)}): it plans on the token grid, whose size must be known when the program is built "
+        "(the tokens merged or downsampled are a shape). Give the InputSpec a fixed height and width (e.g. "
+        "InputSpec([None, 4, 64, 64]): the batch may stay None, and each size is a program of its own), or convert in "
+        "SOT mode (paddle.jit.to_static without full_graph=True), which builds a program per input size."
+    )
+
+
+def refuse_dynamic_tokens(model: str, technique: str, shape: Any) -> None:
+    """Raise :class:`ToMeStaticGraphError` for a block whose token count is dynamic (``-1``) while tracing: no grid
+    can be found for it, and a block left unplanned would silently compute vanilla's output."""
+    _run_as_python()  # (see refuse_conversion)
+    raise ToMeStaticGraphError(
+        f"{technique} on {model} cannot plan a transformer block whose token count is dynamic in the traced program "
+        f"(the block's input is {list(shape)}): the token grid must be known when the program is built. Give the "
+        "InputSpec a fixed height and width (and a fixed batch if the model folds the batch into its tokens), or "
+        "convert in SOT mode (paddle.jit.to_static without full_graph=True)."
     )
 
 
@@ -167,6 +195,12 @@ class PlanCache:
         plans.move_to_end((key, call.site))
         while len(plans) > self.MAX_PLANS:
             plans.popitem(last=False)
+
+    def forget(self, step: int, site: int) -> None:
+        """Drop this thread's plans kept at ``step`` by call site ``site`` (a call that did not finish)."""
+        plans = self._plans()
+        for key in [key for key, entry in plans.items() if key[1] == site and entry[1] == step]:
+            del plans[key]
 
     def __getstate__(self) -> Dict[str, Any]:
         return {"every": self.every}

@@ -20,6 +20,7 @@ without a GPU. Ctrl-C ends a command with one line saying what it had saved, and
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import tempfile
@@ -124,6 +125,34 @@ def _remove_empty(folders: Sequence[str]) -> None:
             return
 
 
+# ToMe's ratio limit 1 - 1/(sx*sy) at its default strides sx = sy = 2 (config.check_ratio), repeated here so that
+# ``--help`` does not import Paddle; a test keeps them equal. A ``--variants`` entry may set other strides and a ratio.
+RATIO_LIMIT = 0.75
+
+
+def _ratio(text: str) -> float:
+    """One ``--ratios`` value: a number in [0, RATIO_LIMIT)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is None or not 0 <= value < RATIO_LIMIT:  # (False for NaN)
+        raise argparse.ArgumentTypeError(f"must be a number in [0, {RATIO_LIMIT:g}) (ToMe's limit 1 - 1/(sx*sy) at "
+                                         f"its default strides sx=sy=2); got {text!r}")
+    return value
+
+
+def _finite(text: str) -> float:
+    """A finite number (``--guidance-scale``)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is None or not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number; got {text!r}")
+    return value
+
+
 def _resolution(text: str) -> int:
     value = int(text)
     if value < 8 or value % 8:
@@ -212,7 +241,8 @@ def _add_demo_parser(sub: argparse._SubParsersAction) -> None:
     demo.add_argument("--resolution", type=_resolution, default=None,
                       help="image height and width in pixels (default: the preset's, listed below; for --model the "
                            "model's own sample size)")
-    demo.add_argument("--ratios", type=float, nargs="+", default=[0.3, 0.5], help="ToMe ratios to compare")
+    demo.add_argument("--ratios", type=_ratio, nargs="+", default=[0.3, 0.5],
+                      help=f"ToMe ratios to compare, each in [0, {RATIO_LIMIT:g})")
     demo.add_argument("--max-downsample", type=_level, default="auto", help="ToMe max_downsample (auto, 1, 2, 4 or 8)")
     demo.add_argument("--cache", type=_cache_interval, default=3,
                       help="add ToMe at the largest ratio with a step cache of this interval (a full UNet pass every "
@@ -225,7 +255,7 @@ def _add_demo_parser(sub: argparse._SubParsersAction) -> None:
     demo.add_argument("--prompt", default=None,
                       help=f"prompt (default: {SHAPES_PROMPT!r} for the shapes model, whose vocabulary is its "
                            f"captions' words; {DEFAULT_PROMPT!r} otherwise)")
-    demo.add_argument("--guidance-scale", type=float, default=None,
+    demo.add_argument("--guidance-scale", type=_finite, default=None,
                       help="classifier-free guidance (default: 4.0 for the shapes model, the pipeline's own otherwise)")
     demo.add_argument("--threads", type=_positive_int, default=None, help="CPU threads for Paddle (default: all)")
     demo.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32",
@@ -252,7 +282,8 @@ def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
                        help="image sizes in pixels (default: the preset's, listed below)")
     bench.add_argument("--batch-sizes", type=_positive_int, nargs="+", default=None,
                        help="images per call (default 1; with --calibrate 1 and 8)")
-    bench.add_argument("--ratios", type=float, nargs="+", default=[0.5], help="ToMe ratios, each in [0, 1)")
+    bench.add_argument("--ratios", type=_ratio, nargs="+", default=[0.5],
+                       help=f"ToMe ratios, each in [0, {RATIO_LIMIT:g}) (the limit at strides sx=sy=2)")
     bench.add_argument("--methods", nargs="+", choices=BENCH_METHODS, metavar="METHOD",
                        default=["vanilla", "tome", "tome-efficient", "bound"],
                        help=f"methods to measure, of: {', '.join(BENCH_METHODS)}; tome-efficient needs Paddle's "

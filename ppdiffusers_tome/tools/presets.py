@@ -50,6 +50,7 @@ from .tiny import (  # noqa: F401  (the tiny builders and the parts of every pip
 __all__ = [
     "DEFAULT_PRESET",
     "DTYPES",
+    "TINY_TIMINGS",
     "available_memory_bytes",
     "available_presets",
     "check_attention_memory",
@@ -239,6 +240,10 @@ def check_attention_memory(
 # draws from ``seed``, the VAE from ``seed + 1``, the text encoders from ``seed`` and ``seed + 2``, ControlNet ``i``
 # from ``seed + 3 + i``.
 DTYPES = ("float32", "float16", "bfloat16")
+# what the examples say after timing a tiny model
+TINY_TIMINGS = ("These timings are of a tiny model with random weights, built to run in seconds: its attention holds "
+                "too few tokens for merging to pay, so they show that the example runs, not how fast ToMe is. Time a "
+                "real model (--model DIR); the measured tables are in docs/benchmarks.md.")
 
 
 def check_dtype(dtype: str) -> None:

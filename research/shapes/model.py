@@ -35,7 +35,8 @@ import shutil
 import tempfile
 from typing import Any, Dict, Iterable, List, Tuple
 
-from ppdiffusers_tome.tools.presets import _NO_SAFETY_CHECKER, _byte_symbols, _libs
+from ppdiffusers_tome.tools.pipelines import _NO_SAFETY_CHECKER
+from ppdiffusers_tome.tools.tiny import _byte_symbols, _libs
 from .dataset import VOCABULARY
 
 __all__ = [

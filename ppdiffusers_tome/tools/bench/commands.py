@@ -145,8 +145,12 @@ def prepare(args: argparse.Namespace, dtype: str, resolutions: Sequence[int], im
     ``--max-downsample``), ``dtype``, and, on CPU, whether the run's largest self-attention fits in the memory
     available (``images`` per call, ``option`` names the resolution option in the refusal; on a GPU a too large
     attention raises Paddle's out-of-memory error instead). Then the threads, and the model is loaded."""
-    for ratio in args.ratios:  # validate every ratio before spending minutes on vanilla runs
-        ToMeConfig(ratio=ratio, max_downsample=args.max_downsample)
+    ToMeConfig(max_downsample=args.max_downsample)  # (its refusal names max_downsample)
+    for ratio in args.ratios:  # validate every ratio before spending minutes on vanilla runs (the parser did too)
+        try:
+            ToMeConfig(ratio=ratio, max_downsample=args.max_downsample)
+        except ValueError as error:
+            raise ValueError(f"--ratios {ratio!r}: {error}") from None
     presets.check_dtype(dtype)
     if device.name != "gpu":
         layout, _, label = model_layout(args)
@@ -293,7 +297,7 @@ def demo_record(args: argparse.Namespace, prepared: Prepared, size: int, rows: l
     settings = {"resolution": size, "steps": args.steps, "repeats": args.repeats, "seed": args.seed,
                 "prompt": args.prompt, "guidance_scale": args.guidance_scale, "max_downsample": args.max_downsample,
                 "batch_size": 1}
-    notes = [text for text in (single_run_note(rows), noise_warning(rows)) if text]
+    notes = [text for text in (single_run_note(rows, args.repeats), noise_warning(rows)) if text]
     if any(row.get("merges_nothing") for row in rows):
         notes.insert(0, TWIN_LEGEND)
     return {

@@ -85,19 +85,25 @@ def _speedup(row: dict[str, Any]) -> str:
     return speedup_label(row["speedup"], False, twin)
 
 
-def single_run_note(rows: Sequence[dict[str, Any]]) -> str | None:
-    """The note under the table when the speed-ups come from one timed run (``--repeats 1``), else ``None``: the
-    table shows none of them, and the note says why and what to run to measure.
+def single_run_note(rows: Sequence[dict[str, Any]], repeats: int = 1) -> str | None:
+    """The note under the table when the speed-ups come from one timed run, else ``None``: the table shows none of
+    them, and the note says why and what to run to measure. ``repeats`` is the number of timed runs per method asked
+    for: 1 (``--repeats 1``), or more when a run stopped by Ctrl-C kept only its first round, which the note then says
+    instead of naming an option the user did not pass.
 
     >>> single_run_note([{"method": "vanilla", "runs_seconds": [1.0]}, {"method": "tome", "runs_seconds": [0.9]}])[:60]
     'NOTE: one timed run per method (--repeats 1) checks that the'
+    >>> single_run_note([{"method": "tome", "runs_seconds": [0.9]}], repeats=3)[:77]
+    'NOTE: one timed run per method (the run was stopped after the first of its 3)'
     """
     if not any(row["method"] != "vanilla" and len(row["runs_seconds"]) == 1 for row in rows):
         return None
-    return ("NOTE: one timed run per method (--repeats 1) checks that the demo runs; it does not measure speed. A "
+    why = "--repeats 1" if repeats == 1 else f"the run was stopped after the first of its {repeats}"
+    measure = ("Run with --repeats 3 (the default) or more to measure it." if repeats == 1 else
+               f"A run that finishes its {repeats} timed runs per method measures it.")
+    return (f"NOTE: one timed run per method ({why}) checks that the demo runs; it does not measure speed. A "
             "single run on a shared machine is often 20% off either way and far more on a busy one (ToMe can then "
-            f"look slower than vanilla), so the speed-up column reads '{NOT_MEASURED}' instead of a number. Run with "
-            "--repeats 3 (the default) or more to measure it.")
+            f"look slower than vanilla), so the speed-up column reads '{NOT_MEASURED}' instead of a number. {measure}")
 
 
 def format_demo_table(rows: list[dict[str, Any]]) -> str:

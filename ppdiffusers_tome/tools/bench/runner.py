@@ -9,6 +9,7 @@ import contextlib
 import copy
 import logging
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ContextManager
@@ -24,6 +25,10 @@ from .inputs import DenoiserInputs, pipeline_kwargs
 from .methods import BenchSettings, Method, NotSupported, configure, method_list
 
 logger = logging.getLogger(__name__)
+
+# the start of the step cache's warning when a pipeline call cached nothing (step_cache.StepCache.run_finished):
+# every run re-applies the cache, so the runner says it once per configuration, as a plain log line
+ALL_FULL_WARNING = "The step cache on "
 
 
 @dataclass
@@ -104,6 +109,7 @@ class Runner:
         self.around_run = around_run or (lambda method, repeat: contextlib.nullcontext())
         self.on_round = on_round
         self.outputs: dict[str, RunOutputs] = {}
+        self._said_all_full: set[str] = set()  # configurations whose step cache cached nothing, already logged
         self._inputs_key: tuple[int, int] | None = None
         self._inputs_cache: DenoiserInputs | None = None
 
@@ -203,8 +209,10 @@ class Runner:
         s, size, batch = self.settings, cell.resolution, cell.batch
         try:
             configure(self.pipe, method, s.max_downsample)
-            with self.around_run(method, repeat):
+            with self.around_run(method, repeat), warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
                 result = self._measure_once(size, batch)
+            self._pass_on(caught, method.label)
         except NotSupported as error:
             cell.status, cell.reason = "n/a", str(error)
         except Exception as error:
@@ -222,6 +230,18 @@ class Runner:
                 self._count_cell_ops(cell, size, batch)
         finally:
             api.remove_tome(self.pipe)
+
+    def _pass_on(self, caught: list[warnings.WarningMessage], label: str) -> None:
+        """Warnings of one run, passed on as they came, except the step cache's "cached nothing": once per
+        configuration, as a log line."""
+        for warning in caught:
+            text = str(warning.message)
+            if issubclass(warning.category, UserWarning) and text.startswith(ALL_FULL_WARNING):
+                if label not in self._said_all_full:
+                    self._said_all_full.add(label)
+                    logger.warning("%s: %s", label, text)
+            else:
+                warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
 
     def _keep(self, cell: Cell, result: dict[str, Any]) -> None:
         cell.runs_seconds.append(result["seconds"])
