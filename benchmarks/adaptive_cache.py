@@ -28,13 +28,17 @@ Models (``--model``):
   weights none of them judges an image.
 
 Writes ``results.json``, ``table.md`` and a plot of quality (PSNR) against speed-up, one curve per method
-(``--plot``, e.g. into ``docs/``)::
+(``--plot``, e.g. into ``docs/``). ``--signals`` times nothing: on the shapes model without a cache it records the
+adaptive rule's signal (the input of the UNet's first deep part) at every step, for DDIM, Euler and DPM-Solver++ at
+each of ``--signal-steps``, and prints the sum of its relative changes and the full steps each threshold would give
+(``signals.json``): what the default threshold is chosen from::
 
     bash run.sh python benchmarks/adaptive_cache.py --model shapes --steps 50 --seeds 3 --prompts 16 \\
         --threads 2 --output outputs/adaptive_shapes_50 --plot docs/adaptive_cache_shapes_50.png
     bash run.sh python benchmarks/adaptive_cache.py --model sd3 --steps 28 --size 512 --layers 24 --seeds 1 \\
         --threads 2 --output outputs/adaptive_sd3_28 --plot docs/adaptive_cache_sd3_28.png
     bash run.sh python benchmarks/adaptive_cache.py --render outputs/adaptive_shapes_50/results.json
+    bash run.sh python benchmarks/adaptive_cache.py --signals --prompts 4 --threads 2 --output outputs/signals
 """
 
 from __future__ import annotations
@@ -52,7 +56,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import ppdiffusers_tome  # noqa: E402  (registers apply_tome; quiets Paddle's import)
-from ppdiffusers_tome.cache.adaptive import DEFAULT_THRESHOLD  # noqa: E402
+from ppdiffusers_tome.cache.adaptive import DEFAULT_THRESHOLD, decide  # noqa: E402
 from ppdiffusers_tome.tools.measure import environment, psnr, render_table, set_threads  # noqa: E402
 
 THRESHOLDS = (0.05, 0.1, DEFAULT_THRESHOLD, 0.2, 0.3)
@@ -149,6 +153,52 @@ def feature_distance(reference: np.ndarray, test: np.ndarray) -> float:
     reference, test = np.asarray(reference, np.float64), np.asarray(test, np.float64)
     cosine = (reference * test).sum(1) / (np.linalg.norm(reference, axis=1) * np.linalg.norm(test, axis=1))
     return float(np.mean(1.0 - cosine))
+
+
+def planned_full_steps(changes: Sequence[float], threshold: float, max_skips: Optional[int] = None) -> List[int]:
+    """The steps the adaptive rule runs in full in a pipeline call of ``len(changes) + 1`` steps whose signal changed
+    by ``changes[t - 1]`` (relative) from step ``t - 1`` to step ``t``: the first and the last step always.
+
+    >>> planned_full_steps([0.1, 0.1, 0.1, 0.1, 0.1], threshold=0.25)
+    [0, 3, 5]
+    """
+    full, total, skips = [0], 0.0, 0
+    for step, change in enumerate(changes, start=1):
+        if step == len(changes):
+            full.append(step)
+            break
+        is_full, total, skips = decide(total, change, skips, threshold, max_skips)
+        if is_full:
+            full.append(step)
+    return full
+
+
+def record_signals(args: argparse.Namespace) -> Dict[str, Any]:
+    """The signal's relative change per step, per sampler and number of steps, on the shapes model (no cache)."""
+    import ppdiffusers
+
+    from ppdiffusers_tome.cache.step_cache import deep_blocks
+
+    model, out = ShapesModel(args), {}
+    seen: List[np.ndarray] = []
+    first = deep_blocks(model.pipe.unet, 1)[0][1]
+    hook = first.register_forward_post_hook(lambda _, a, k, o: seen.append((a[0] if a else k["hidden_states"]).numpy()),
+                                            with_kwargs=True)
+    config = model.pipe.scheduler.config
+    for name in SCHEDULERS:
+        model.pipe.scheduler = getattr(ppdiffusers, SCHEDULERS[name]).from_config(config)
+        for steps in args.signal_steps:
+            seen.clear()
+            model.generate(steps, 0)
+            changes = [float(np.abs(b - a).mean() / np.abs(a).mean()) for a, b in zip(seen, seen[1:])]
+            out[f"{name}, {steps} steps"] = {
+                "changes": changes, "sum": float(np.sum(changes)),
+                "full_steps": {f"{t:g}": planned_full_steps(changes, t) for t in args.thresholds}}
+            print(f"{name:>6}, {steps:3d} steps: summed change {np.sum(changes):.3f}; full steps "
+                  + ", ".join(f"{t:g}: {len(v)}" for t, v in out[f'{name}, {steps} steps']['full_steps'].items()),
+                  flush=True)
+    hook.remove()
+    return out
 
 
 def rel_l2(reference: np.ndarray, test: np.ndarray) -> float:
@@ -402,7 +452,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--output", default=os.path.join("outputs", "adaptive_cache"))
     parser.add_argument("--plot", default=None, help="PNG of PSNR against speed-up (default: OUTPUT/quality_speed.png)")
     parser.add_argument("--render", default=None, help="print the table of an earlier results.json (and plot it)")
+    parser.add_argument("--signals", action="store_true", help="record the rule's signal per sampler; time nothing")
+    parser.add_argument("--signal-steps", type=int, nargs="+", default=[20, 50], help="with --signals: step counts")
     args = parser.parse_args(argv)
+    if args.signals:
+        set_threads(args.threads)
+        signals = {"command": " ".join(["benchmarks/adaptive_cache.py"] + sys.argv[1:]),
+                   "version": ppdiffusers_tome.__version__, "prompts": args.prompts, "runs": record_signals(args)}
+        os.makedirs(args.output, exist_ok=True)
+        with open(os.path.join(args.output, "signals.json"), "w", encoding="utf-8") as f:
+            json.dump(signals, f, indent=1)
+        return 0
     if args.render:
         with open(args.render, encoding="utf-8") as f:
             data = json.load(f)

@@ -29,6 +29,14 @@ def test_the_configurations_are_the_baselines_the_caches_and_each_again_with_mer
     assert configs["adaptive 0.1 + forecast + ToMe 0.5"].family == "adaptive + forecast + ToMe 0.5"
 
 
+def test_planned_full_steps_follow_the_rule_with_the_first_and_the_last_step_full(bench):
+    changes = [0.05, 0.05, 0.3, 0.01, 0.02, 0.2, 0.05, 0.05]  # from step t - 1 to step t, t = 1..8
+    # by hand at 0.12: sums 0.05, 0.10, 0.40 (full at 3); 0.01, 0.03, 0.23 (full at 6); 0.05, then the last step 8
+    assert bench.planned_full_steps(changes, 0.12) == [0, 3, 6, 8]
+    assert bench.planned_full_steps(changes, 0.12, max_skips=1) == [0, 2, 3, 5, 6, 8]
+    assert bench.planned_full_steps(changes, 0.0) == list(range(9))
+
+
 def scipy_ssim(x, y, data_range=1.0):
     """SSIM per channel from scipy.ndimage's Gaussian filter (sigma 1.5, truncated at 3.5 sigma, reflected
     borders), the mean of the map without its 5-pixel border, averaged over channels."""
