@@ -195,7 +195,7 @@ def record_signals(args: argparse.Namespace) -> Dict[str, Any]:
                 "changes": changes, "sum": float(np.sum(changes)),
                 "full_steps": {f"{t:g}": planned_full_steps(changes, t) for t in args.thresholds}}
             print(f"{name:>6}, {steps:3d} steps: summed change {np.sum(changes):.3f}; full steps "
-                  + ", ".join(f"{t:g}: {len(v)}" for t, v in out[f'{name}, {steps} steps']['full_steps'].items()),
+                  + ", ".join(f"{t}: {len(v)}" for t, v in out[f'{name}, {steps} steps']['full_steps'].items()),
                   flush=True)
     hook.remove()
     return out

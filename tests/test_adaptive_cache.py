@@ -13,7 +13,8 @@ import pytest
 from ppdiffusers import DiffusionPipeline, StableDiffusionImg2ImgPipeline
 
 import ppdiffusers_tome
-from ppdiffusers_tome.cache.export import StepPrograms
+from ppdiffusers_tome.cache.config import CacheConfig
+from ppdiffusers_tome.cache.export import ScheduledSteps, StepPrograms
 from ppdiffusers_tome.cache.step_cache import StepCacheError, deep_blocks, get_cache
 from ppdiffusers_tome.testing import (
     tiny_controlnet_pipeline,
@@ -340,11 +341,13 @@ def test_static_graphs_and_step_programs_refuse_the_adaptive_rule_by_name():
     static = paddle.jit.to_static(unet.forward, full_graph=True)
     with pytest.raises(StepCacheError, match=r"threshold=0.15.*remove_cache.*threshold=None"):
         static(*unet_step(0)[0])
-    for options, name in ((dict(threshold=0.15), "threshold=0.15"), (dict(interval=2, forecast="linear"),
-                                                                      "forecast='linear'")):
+    for options, name in ((dict(threshold=0.15), "threshold=0.15"), (dict(threshold=0), "threshold=0.0"),
+                          (dict(interval=2, forecast="linear"), "forecast='linear'")):
         ppdiffusers_tome.apply_cache(unet, **options)
         with pytest.raises(ValueError, match=f"step programs run the fixed interval; .*{name}"):
             StepPrograms(unet)
+        with pytest.raises(ValueError, match=f"step programs run the fixed interval; config has {name}"):
+            ScheduledSteps(lambda *a: None, lambda *a: None, CacheConfig(**options))
 
 
 def test_threads_keep_separate_signals_on_one_unet():

@@ -151,3 +151,14 @@ def test_the_old_path_builds_the_tiny_preset_and_runs_with_tome():
         again = pipe.unet(sample, paddle.to_tensor(500), encoder_hidden_states=text).sample.numpy()
     assert np.abs(merged - vanilla).max() > 1e-4  # ToMe acted on the tiny UNet
     np.testing.assert_array_equal(again, vanilla)
+
+
+def test_the_cache_layouts_old_name_is_its_new_class():
+    """0.14's ``cache_layout.Layout`` is 0.15's ``CacheLayout`` (renamed: ``ops.partition.Layout`` is the merge core's
+    token grid), kept for one release under the old name."""
+    from ppdiffusers_tome.cache.layout import CacheLayout, Layout, TransformerLayout, UNetLayout
+    from ppdiffusers_tome.cache.whole_model import WholeModelLayout
+    from ppdiffusers_tome.ops.partition import Layout as Grid
+
+    assert Layout is CacheLayout and Grid is not CacheLayout
+    assert all(issubclass(cls, CacheLayout) for cls in (UNetLayout, TransformerLayout, WholeModelLayout))

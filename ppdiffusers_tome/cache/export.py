@@ -37,6 +37,18 @@ from .step_cache import CacheConfig, get_cache
 __all__ = ["CachedStep", "FullStep", "ScheduledSteps", "StepPrograms"]
 
 
+def refuse_unscheduled(config: CacheConfig, what: str) -> None:
+    """``ValueError`` naming the option when ``config`` (of ``what``) asks for more than a fixed schedule: step
+    programs and :class:`ScheduledSteps` run the interval only."""
+    for name, value, why in (("threshold", config.threshold, "decides each step from a value read from the device"),
+                             ("forecast", config.forecast, "extrapolates the kept feature in Python"),
+                             ("whole_model", config.whole_model, "returns a kept output in place of the UNet's")):
+        if value is not None and value is not False:
+            raise ValueError(f"step programs run the fixed interval; {what} has {name}={value!r}, which {why}: "
+                             f"apply the cache with {name} at its default "
+                             f"({CacheConfig.__dataclass_fields__[name].default!r}) to export it")
+
+
 class _Step(paddle.nn.Layer):
     """A UNet with a step cache, run as one fixed kind of step (full or cached)."""
 
@@ -48,17 +60,7 @@ class _Step(paddle.nn.Layer):
         if cache is None:
             raise ValueError(f"{type(unet).__name__} has no step cache: call apply_cache on it before building its "
                              "step programs")
-        config = cache.config
-        for name, value, what in (("threshold", config.threshold, "decides each step from a value read from the device"),
-                                  ("forecast", config.forecast, "extrapolates the kept feature in Python"),
-                                  ("whole_model", config.whole_model, "returns a kept output in place of the UNet's")):
-            if value:
-                raise ValueError(f"step programs run the fixed interval; {type(unet).__name__}'s step cache has "
-                                 f"{name}={value!r}, which {what}: apply the cache with {name} at its default "
-                                 f"({CacheConfig.__dataclass_fields__[name].default!r}) to export it")
-        if config.threshold == 0:
-            raise ValueError("step programs run the fixed interval; threshold=0 (every step full) is the vanilla "
-                             "forward: export the UNet without the cache")
+        refuse_unscheduled(cache.config, f"{type(unet).__name__}'s step cache")
         if getattr(unet, "up_blocks", None) is None:
             what = ("is a transformer-only model, whose step cache runs eagerly only: export it without the cache "
                     "(remove_cache; ToMe alone exports)" if isinstance(cache.layout, TransformerLayout)
@@ -176,6 +178,7 @@ class ScheduledSteps:
     def __init__(self, full: Callable[..., Any], cached: Callable[..., Any], config: CacheConfig):
         if not isinstance(config, CacheConfig):
             raise ValueError(f"config must be a CacheConfig (StepPrograms.config); got {type(config).__name__}")
+        refuse_unscheduled(config, "config")
         self._full, self._cached, self.config = full, cached, config
         self.full_calls = self.cached_calls = self.fallbacks = 0  # fallbacks: cached steps run in full (shape changed)
         self.reset()

@@ -34,8 +34,9 @@ from __future__ import annotations
 import logging
 import threading
 import warnings
+from collections import deque
 from dataclasses import replace
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Deque, Dict, List, Optional, Tuple, Union
 
 import paddle
 
@@ -57,6 +58,7 @@ __all__ = ["CacheConfig", "StepCache", "StepCacheError", "apply_cache", "cache_s
 logger = logging.getLogger(__name__)
 
 NAME = "cache"  # the name of the step cache's hooks in every registry
+RECENT = 1000  # cache_status's last_full_steps and last_cached_steps hold at most this many steps each
 
 
 class StepCacheError(StaticGraphError):
@@ -94,7 +96,7 @@ class StepCache:
         self.threshold, self.max_skips, self.forecast = config.threshold, config.max_skips, config.forecast
         self.step = _Step()
         self.calls = self.full_calls = self.cached_calls = self.fallbacks = self.grad_calls = 0
-        self.recent: Tuple[List[int], List[int]] = ([], [])  # site 0's full and cached steps of the latest generation
+        self.recent = _recent()  # site 0's full and cached steps of the latest generation
         self.warned_all_full = False  # the "no cached step in a pipeline call" warning is given once
 
     def thread_state(self) -> _Step:
@@ -176,7 +178,7 @@ class StepCache:
         if fresh:
             step.sites, step.run = {}, None
             if site_id == 0:
-                self.recent = ([], [])
+                self.recent = _recent()
             run = None if self.warned_all_full else generation.current()
             if run is not None:  # a pipeline call: its calls are counted, for the warning when none is cached
                 step.run = [0, 0, 0, self.fallbacks]
@@ -269,6 +271,12 @@ class StepCache:
         step.mode, step.pending = None, None
         if site is not None and self.threshold is not None:
             site.signal, site.accumulated, site.skips = step.saved
+
+
+def _recent() -> Tuple[Deque[int], Deque[int]]:
+    """The steps of a generation's first call site that ran in full and cached, the last ``RECENT`` of each (a model
+    called outside a pipeline without ``reset_cache`` makes one endless generation)."""
+    return deque(maxlen=RECENT), deque(maxlen=RECENT)
 
 
 class _ModelHook(Hook):
@@ -503,7 +511,7 @@ def cache_status(obj: Any) -> Dict[str, Optional[Dict[str, Any]]]:
     computed in full because the input's shape differed from the kept step's) and ``grad_calls`` (calls with
     gradients on, always full); the ``rule`` (``"interval"`` or ``"adaptive"``) and the ``threshold`` in effect
     (None with the interval); ``last_full_steps`` and ``last_cached_steps``, the 0-based steps of the latest
-    generation's first call site that ran in full and cached.
+    generation's first call site that ran in full and cached (the last 1,000 of each).
 
     >>> from ppdiffusers_tome.testing import tiny_unet
     >>> cache_status(tiny_unet())
