@@ -230,7 +230,7 @@ def test_set_original_class_swaps_the_class_underneath_the_hooks():
 def hooked_block(plan, self_attention=True, sub=None):
     patch, sub = FakePatch(plan), sub if sub is not None else Doubler()
     block = Block(sub)
-    block_hook = BlockHook(patch, 0)
+    block_hook = BlockHook(patch, patch, 0)  # (the fake stands for the patch and its call runner)
     add_hook(block, "tome", block_hook)
     add_hook(sub, "tome", SublayerHook(block_hook, self_attention))
     return patch, block, sub, block_hook

@@ -23,19 +23,21 @@ DOORS = {"__main__.py", "presets.py", "testing.py"}
 # modules whose code runs inside a patched forward, and so inside a traced one (paddle.jit.to_static): the registry's
 # hooked forward and the hooks of every technique (core/registry.py, core/calls.py and its step clock in
 # core/generation.py, tome/hooks.py, every module of cache/), what a ToMe block call runs
-# (tome/patch.py: begin_call, plan_block, end_call; tome/decision.py, tome/policy.py, tome/planner.py, tome/state.py,
+# (tome/runner.py: begin_call, plan_block, end_call; tome/decision.py, tome/policy.py, tome/planner.py, tome/state.py,
 # tome/checkpoint.py), the step programs (cache/export.py), SD3's attention processor for the CPU (sd3_attention.py)
 # and its ToMe/ToDo form (tome/joint_attention.py), and the merge core
 TRACED = sorted(str(p.relative_to(PACKAGE)) for p in (PACKAGE / "ops").glob("*.py")) + [
     "cache/adaptive.py", "cache/config.py", "cache/export.py", "cache/kept.py", "cache/layout.py", "cache/step_cache.py",
     "cache/whole_model.py", "core/calls.py", "core/generation.py",
     "core/registry.py", "sd3_attention.py", "tome/checkpoint.py", "tome/decision.py", "tome/hooks.py",
-    "tome/joint_attention.py", "tome/patch.py", "tome/planner.py", "tome/policy.py", "tome/state.py"]
+    "tome/joint_attention.py", "tome/patch.py", "tome/planner.py", "tome/policy.py", "tome/runner.py",
+    "tome/state.py"]
 # functions of the traced modules that only run on the host, never inside a traced forward, with why
 HOST_ONLY = {
     ("tome/patch.py", "ModelPatch.__init__"),  # at apply_tome
     ("tome/patch.py", "ModelPatch._add_hooks"),  # at apply_tome
     ("tome/planner.py", "Planner.__init__"),  # at apply_tome
+    ("tome/runner.py", "CallRunner.__init__"),  # at apply_tome
     ("tome/policy.py", "pools_by_default"),  # at apply_tome (Policy.__init__)
     ("cache/export.py", "_Step.__init__"),  # when the step programs are built
     ("sd3_attention.py", "JointMathAttnProcessor.__init__"),  # at use_math_attention
@@ -431,3 +433,43 @@ def test_the_rules_are_what_paddles_sot_mode_refuses(function, converts):
     assert (out is not None) == converts
     if converts:
         np.testing.assert_allclose(out.numpy(), function(x).numpy())
+
+
+# sizes ---------------------------------------------------------------------------------------------------------
+MAX_CLASS_LINES, MAX_FUNCTION_LINES = 200, 40
+
+
+def code_lines(source: str, node: ast.AST) -> int:
+    """Lines of ``node`` that hold code: not blank, not a comment, not inside a docstring."""
+    lines = set(range(node.lineno, node.end_lineno + 1))
+    for sub in ast.walk(node):
+        body = getattr(sub, "body", None)
+        if isinstance(sub, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and body and \
+                isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) and \
+                isinstance(body[0].value.value, str):
+            lines -= set(range(body[0].lineno, body[0].end_lineno + 1))
+    text = source.splitlines()
+    return sum(1 for n in lines if text[n - 1].strip() and not text[n - 1].strip().startswith("#"))
+
+
+def oversized(source: str, where: str) -> List[str]:
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        limit = MAX_CLASS_LINES if isinstance(node, ast.ClassDef) else MAX_FUNCTION_LINES if isinstance(
+            node, (ast.FunctionDef, ast.AsyncFunctionDef)) else None
+        if limit is not None and code_lines(source, node) > limit:
+            found.append(f"{where}:{node.lineno} {node.name} has {code_lines(source, node)} lines of code (> {limit})")
+    return found
+
+
+def test_no_library_class_is_over_200_lines_of_code_and_no_function_over_40():
+    found = [line for path in library_files() for line in oversized(path.read_text(encoding="utf-8"),
+                                                                     str(path.relative_to(ROOT)))]
+    assert not found, "\n".join(found)
+
+
+def test_the_size_check_can_fail():
+    body = "\n".join(f"    x{i} = {i}  # (a trailing comment)" for i in range(40))
+    source = f'def f():\n    """A docstring\n    over lines."""\n\n    # a comment line does not count\n{body}\n'
+    assert oversized(source, "x.py") == ["x.py:1 f has 41 lines of code (> 40)"]
+    assert oversized(source.replace("    x39 = 39", "    # x39 = 39"), "x.py") == []

@@ -75,7 +75,7 @@ def planned(options, batch, tokens, kernels="gpu"):
     patch = get_patch(unet)
     side = int(round(tokens ** 0.5))
     with force_kernels(kernels), patch.in_call(paddle.zeros([batch, 4, side, side]), paddle.to_tensor(500)) as call:
-        plan = patch.plan_block(0, paddle.zeros([batch, tokens, 32]), call)
+        plan = patch.runner.plan_block(0, paddle.zeros([batch, tokens, 32]), call)
     return plan, ppdiffusers_tome.tome_status(unet)[UNET]["policy"][tokens], ppdiffusers_tome.tome_stats(unet)[UNET]
 
 

@@ -62,7 +62,7 @@ def planned(options, px, images, kernels="gpu"):
     sample = paddle.to_tensor(rng.standard_normal((batch, LATENT_CHANNELS, px // 8, px // 8)).astype("float32"))
     hidden = paddle.to_tensor(rng.standard_normal((batch, tokens, WIDTH)).astype("float32"))
     with force_kernels(kernels), patch.in_call(sample, paddle.to_tensor([500.0] * batch)) as call:
-        plans = [patch.plan_block(index, hidden, call) for index in range(3)]
+        plans = [patch.runner.plan_block(index, hidden, call) for index in range(3)]
     decision = ppdiffusers_tome.tome_status(model)[MODEL]["policy"][tokens]
     return plans, decision, ppdiffusers_tome.tome_stats(model)[MODEL]
 

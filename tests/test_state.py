@@ -54,7 +54,7 @@ def test_a_call_record_lives_for_its_call_only_and_says_what_the_blocks_need():
 def test_only_a_ratio_schedule_reads_the_timestep_on_the_host(monkeypatch, options, reads):
     """The step of a call comes from the step clock, never from the timestep: only a ratio schedule (which needs
     the denoising progress as a number) reads it back from the device."""
-    import ppdiffusers_tome.tome.patch as patch_module
+    import ppdiffusers_tome.tome.runner as patch_module  # (the call runner reads the progress)
 
     read = []
     real = patch_module.progress_of

@@ -312,8 +312,8 @@ def test_a_dynamic_token_count_is_refused_by_name_by_the_block_and_by_the_policy
             hidden = paddle.static.data("hidden", [2, -1, 32], "float32")
             call = CallRecord((16, 16), None, 1, "cpu", 0.5)
             with pytest.raises(ToMeStaticGraphError, match=r"token count is dynamic .*\[2, -1, 32\]"):
-                patch.plan_block(patch.hooked[0][0], hidden, call)
-            assert idle.plan_block(idle.hooked[0][0], hidden, call) is None  # ratio 0 plans nothing: no refusal
+                patch.runner.plan_block(patch.hooked[0][0], hidden, call)
+            assert idle.runner.plan_block(idle.hooked[0][0], hidden, call) is None  # ratio 0 plans nothing: no refusal
             with pytest.raises(ToMeStaticGraphError, match="policy decides from .* token count is dynamic"):
                 Policy(ToMeConfig()).decide(hidden, "gpu")
     finally:

@@ -255,6 +255,12 @@ class ToMeConfig:
         if not is_int(self.seed) or self.seed < 0:
             raise ValueError(f"seed must be an integer >= 0; got {shown(self.seed)}")
         store("seed", int(self.seed))
+        self._check_todo_options(store)
+        object.__setattr__(self, "recompute_every", self._checked_recompute(self.recompute_every))
+        self._check_local_options(store)
+        self._check_policy_options(store)
+
+    def _check_todo_options(self, store: Callable[[str, Any], None]) -> None:
         mode = as_choice(self.downsample_mode, DOWNSAMPLE_MODES)
         if mode is None:
             raise ValueError(f"downsample_mode must be one of {DOWNSAMPLE_MODES}; got {shown(self.downsample_mode)}")
@@ -267,8 +273,6 @@ class ToMeConfig:
                 "method='todo' downsamples the keys and values of self-attention only; with it merge_attn must be "
                 "True and merge_crossattn and merge_mlp False"
             )
-        object.__setattr__(self, "recompute_every", self._checked_recompute(self.recompute_every))
-        self._check_local_options(store)
 
     def _check_local_options(self, store: Callable[[str, Any], None]) -> None:
         window, smallest = self.match_window, max(self.sx, self.sy)
@@ -298,6 +302,8 @@ class ToMeConfig:
                 f"min_tokens must be an integer >= 0 (merge only where batch * tokens reaches it); got {shown(self.min_tokens)}"
             )
         store("min_tokens", int(self.min_tokens))
+
+    def _check_policy_options(self, store: Callable[[str, Any], None]) -> None:
         policy = as_choice(self.policy, POLICIES)
         if policy is None:
             raise ValueError(f"policy must be one of {POLICIES}; got {shown(self.policy)}")

@@ -161,11 +161,32 @@ def decide(settings: Settings, tokens: int, batch: int, grid: Optional[Tuple[int
     >>> decide(settings, 64, 2, grid_of(settings, (16, 16), 64), 1, "cpu", 0.5).why
     'level 2 is above the finest level with transformer blocks (1, max_downsample="auto")'
     """
+    where = _where(settings, tokens, batch, grid, finest)
+    if where is not None:
+        return where
+    policy = settings.policy.decide_shape(kernels, batch, tokens)
+    if policy.action == SKIP:
+        return BlockDecision(SKIPPED, "policy", policy.why(), grid, policy=policy)
+    if policy.action == POOL:
+        return BlockDecision(POOLED, "policy", policy.why(), grid, policy=policy)
+    if settings.todo:
+        return BlockDecision(TODO, "todo", f"ToDo: keys and values downsampled by {settings.factor}", grid, policy=policy)
+    nothing = _nothing_to_merge(settings, tokens, grid, ratio, policy)
+    if nothing is not None:
+        return nothing
+    shared = " with one plan per call" if policy.shared else ""
+    return BlockDecision(MERGE, "merge", f"merge at ratio {ratio:g}{shared}", grid, ratio, policy)
+
+
+def _where(settings: Settings, tokens: int, batch: int, grid: Optional[Tuple[int, int, int]],
+           finest: Optional[int]) -> Optional[BlockDecision]:
+    """The decision when the block cannot merge for where it is (no settings that merge, no grid, a level above the
+    limit, fewer than ``min_tokens``), else None."""
     if not settings.merges_something:
         return BlockDecision(OFF, "nothing", "merge_attn, merge_crossattn and merge_mlp are all False")
     if grid is None:
         return BlockDecision(OFF, "no_grid", "the tokens form no grid of the latent")
-    level, grid_h, grid_w = grid
+    level = grid[0]
     if settings.auto_level:
         limit = settings.auto_finest if settings.auto_finest is not None else finest
         if level > limit:
@@ -182,13 +203,14 @@ def decide(settings: Settings, tokens: int, batch: int, grid: Optional[Tuple[int
         if batch * tokens < settings.min_tokens:
             return BlockDecision(SKIPPED, "min_tokens", f"batch * tokens = {batch * tokens} < min_tokens = {settings.min_tokens}",
                                  grid)
-    policy = settings.policy.decide_shape(kernels, batch, tokens)
-    if policy.action == SKIP:
-        return BlockDecision(SKIPPED, "policy", policy.why(), grid, policy=policy)
-    if policy.action == POOL:
-        return BlockDecision(POOLED, "policy", policy.why(), grid, policy=policy)
-    if settings.todo:
-        return BlockDecision(TODO, "todo", f"ToDo: keys and values downsampled by {settings.factor}", grid, policy=policy)
+    return None
+
+
+def _nothing_to_merge(settings: Settings, tokens: int, grid: Tuple[int, int, int], ratio: float,
+                      policy: Any) -> Optional[BlockDecision]:
+    """The decision when a merge would move no token (no cell on the grid or in a window, a ratio of 0, a ratio
+    that rounds to 0 tokens), else None."""
+    grid_h, grid_w = grid[1], grid[2]
     sx, sy = settings.sx, settings.sy
     if (grid_h // sy) * (grid_w // sx) == 0:
         return BlockDecision(OFF, "no_cell", f"the {grid_h}x{grid_w} grid holds no {sy}x{sx} cell", grid, policy=policy)
@@ -206,5 +228,4 @@ def decide(settings: Settings, tokens: int, batch: int, grid: Optional[Tuple[int
         if min(tokens_to_merge(wy * wx, ratio), wy * wx - cells) <= 0:
             return BlockDecision(OFF, "rounds", f"int({wy * wx} * {ratio:g}) = 0 tokens to merge in each "
                                  f"{wy * wx}-token match_window", grid, policy=policy, tokens=wy * wx)
-    shared = " with one plan per call" if policy.shared else ""
-    return BlockDecision(MERGE, "merge", f"merge at ratio {ratio:g}{shared}", grid, ratio, policy)
+    return None

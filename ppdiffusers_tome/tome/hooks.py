@@ -3,7 +3,7 @@ merge, and on the sub-layers that run on merged tokens.
 
 * :class:`ModelHook` keeps the record of each call (latent size, timestep, kernel family, the ratio now, the call's
   step and site) for the blocks to read, and puts back the previous record when the call ends, however it ends.
-* :class:`BlockHook` asks its patch for the block's plan (a decision, then a plan; see
+* :class:`BlockHook` asks the model's :class:`~ppdiffusers_tome.tome.runner.CallRunner` for the block's plan (a decision, then a plan; see
   :mod:`~ppdiffusers_tome.tome.decision` and :mod:`~ppdiffusers_tome.tome.planner`) and holds it, for this thread, while the
   block runs.
 * :class:`SublayerHook` merges the input of ``attn1`` (``attn2``/``ff``) with that plan, runs the sub-layer on the
@@ -15,53 +15,40 @@ merge, and on the sub-layers that run on merged tokens.
 from __future__ import annotations
 
 import threading
-from typing import Any, Tuple
-
-import paddle
+from typing import Any
 
 from ..core.registry import Hook
 from ..ops.downsample import DownsamplePlan
 from ..ops.runtime import begin_eager, end_eager
 from .joint_attention import downsampled_joint_attention
+from .runner import TENSOR_TYPES
 
 __all__ = ["BlockHook", "ModelHook", "SublayerHook", "TENSOR_TYPES"]
-
-
-def _tensor_types() -> Tuple[type, ...]:
-    """Tensor classes of dynamic mode and of static-graph tracing (``paddle.jit.to_static``)."""
-    types = [paddle.Tensor]
-    for owner, name in ((getattr(paddle, "pir", None), "Value"), (paddle.static, "Variable")):
-        cls = getattr(owner, name, None) if owner is not None else None
-        if isinstance(cls, type):
-            types.append(cls)
-    return tuple(types)
-
-
-TENSOR_TYPES = _tensor_types()
 
 
 class ModelHook(Hook):
     """ToMe on the model: one :class:`~ppdiffusers_tome.tome.state.CallRecord` per call, for this thread."""
 
-    def __init__(self, patch: Any) -> None:
-        self.patch = patch
+    def __init__(self, patch: Any, runner: Any) -> None:
+        self.patch = patch  # (which patch installed the hook: what its removal looks for)
+        self.runner = runner
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        patch = self.patch
-        record = patch.begin_call(args, kwargs)
-        local = patch.local
+        runner = self.runner
+        record = runner.begin_call(args, kwargs)
+        local = runner.local
         outer = local.call
         local.call = record
         eager = begin_eager()
         try:
             output = self.next(*args, **kwargs)
         except BaseException:
-            patch.abandon_call(record)
+            runner.abandon_call(record)
             raise
         finally:
             end_eager(eager)
             local.call = outer
-        patch.end_call(record)
+        runner.end_call(record)
         return output
 
 
@@ -72,19 +59,20 @@ class _Slot(threading.local):
 class BlockHook(Hook):
     """Plans one transformer block's merge from its input and holds the plan while the block runs."""
 
-    def __init__(self, patch: Any, index: int) -> None:
+    def __init__(self, patch: Any, runner: Any, index: int) -> None:
         self.patch = patch
+        self.runner = runner
         self.index = index  # the block's place among all the model's transformer blocks
         self.slot = _Slot()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         hidden = args[0] if args else kwargs.get("hidden_states")
-        patch = self.patch
-        call = patch.local.call
+        runner = self.runner
+        call = runner.local.call
         if call is None:  # no call in flight: a checkpointed block recomputed during backward
-            plan = patch.recompute.replayed(self.index, hidden)
+            plan = runner.recompute.replayed(self.index, hidden)
         else:
-            plan = patch.plan_block(self.index, hidden, call)
+            plan = runner.plan_block(self.index, hidden, call)
         if plan is None:
             return self.next(*args, **kwargs)
         slot = self.slot
@@ -124,7 +112,7 @@ class SublayerHook(Hook):
         if not isinstance(x, TENSOR_TYPES) or x.ndim != 3 or x.shape[0] != plan.batch_size or \
                 x.shape[1] != plan.num_tokens:
             return self.next(*args, **kwargs)  # e.g. chunked feed-forward: leave such calls alone
-        counters = self.block.patch.counters
+        counters = self.block.runner.counters
         if isinstance(plan, DownsamplePlan):  # ToDo: queries stay, keys/values come from the downsampled tokens
             if self.joint:  # the text stream stays; the image keys and values come from the downsampled image tokens
                 text = args[1] if len(args) > 1 else kwargs.get("encoder_hidden_states")

@@ -1,5 +1,5 @@
-"""ToMe on one model (a UNet, one ControlNet, one DiT / PixArt-alpha transformer): its hooks, what a block call
-does, and the record of each call.
+"""ToMe on one model (a UNet, one ControlNet, one DiT / PixArt-alpha / SD3 transformer): installing its hooks and
+removing them. What the hooks do in each call is :class:`~ppdiffusers_tome.tome.runner.CallRunner`'s.
 
 One :class:`ModelPatch` per patched model adds, through :mod:`ppdiffusers_tome.core.registry` (all named ``"tome"``):
 
@@ -13,34 +13,22 @@ One :class:`ModelPatch` per patched model adds, through :mod:`ppdiffusers_tome.c
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import threading
 import warnings
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Iterator, List, Optional, Tuple
 
 import paddle
 from ppdiffusers.models.attention import BasicTransformerBlock, JointTransformerBlock
 
 from ..core.calls import drop_calls_if_alone, model_calls, refuse_if_running
 from ..core.registry import LOCK, add_hook, hooks_of, remove_hook
-from ..ops.runtime import converting, device_kind, tracing
-from .checkpoint import RecomputePlans
-from .config import ToMeConfig, check_ratio, ratio_at
-from .decision import OFF, POOLED, SKIPPED, BlockDecision, Settings, block_levels, decide, grid_of
-from .hooks import TENSOR_TYPES, BlockHook, ModelHook, SublayerHook
+from .config import ToMeConfig
+from .decision import block_levels
+from .hooks import BlockHook, ModelHook, SublayerHook
 from .joint_attention import attention_core
 from .planner import Planner
-from .state import (
-    CallRecord,
-    Counters,
-    ToMeState,
-    ToMeStaticGraphError,
-    progress_of,
-    refuse_conversion,
-    refuse_dynamic_size,
-    refuse_dynamic_tokens,
-)
+from .runner import CallRunner
+from .state import CallRecord, ToMeState, ToMeStaticGraphError
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +42,6 @@ SUBLAYERS = {
     JointTransformerBlock: (("attn", "merge_attn", True), ("ff", "merge_mlp", False)),
 }
 PATCH_LOCK = LOCK  # (the registry's lock: installs and removals of any technique are atomic with each other)
-MAX_DECISIONS = 1024  # block decisions memoised per patch (by shapes, kernels, ratio); the memo starts over beyond
 
 __all__ = ["BLOCK_TYPES", "ModelPatch", "PATCH_LOCK", "ToMeState", "ToMeStaticGraphError", "find_blocks",
            "get_patch"]
@@ -71,23 +58,6 @@ def get_patch(model: Any) -> Optional["ModelPatch"]:
     registry = hooks_of(model)
     hook = registry.get(NAME) if registry is not None else None
     return getattr(hook, "patch", None)
-
-
-def _timestep_index(model: Any) -> int:
-    """Where ``timestep`` sits among the positional arguments of the model's forward (second for a UNet, third
-    for ``Transformer2DModel``)."""
-    import inspect
-
-    try:
-        names = list(inspect.signature(model.forward).parameters)
-    except (TypeError, ValueError):
-        return 1
-    return names.index("timestep") if "timestep" in names else 1
-
-
-class _Local(threading.local):
-    call: Optional[CallRecord] = None  # the record of this thread's call in flight
-    last: Optional[CallRecord] = None  # the record of this thread's latest call that returned
 
 
 class ModelPatch:
@@ -110,41 +80,43 @@ class ModelPatch:
                  blocks: Optional[List[Tuple[str, paddle.nn.Layer]]] = None):
         self.model = model
         self.config = config
-        self.train_timesteps = int(train_timesteps)
         all_blocks = find_blocks(model) if blocks is None else blocks
-        self.settings = Settings(config, model, all_blocks)
-        self.planner = self.planner_type(config, len(all_blocks))
-        self.counters = Counters()
-        self.recompute = RecomputePlans(model, all_blocks)  # gradient checkpointing: plans kept for the recompute
-        self.local = _Local()
-        self.timestep_arg = _timestep_index(model)
-        self.scheduled = config.is_scheduled
-        self.needs_python = self.scheduled or config.caches_plans  # what a static graph cannot hold
-        # whether any block call may plan (ToDo, a ratio above 0 or a schedule): then the token grid must be known
-        self.plans = self.settings.merges_something and (self.settings.todo or self.scheduled or config.ratio > 0)
+        self.runner = CallRunner(model, config, all_blocks, train_timesteps, self.planner_type)
+        settings = self.runner.settings
         # the blocks that can merge (all of them unless the model's structure says each one's level)
-        levels = block_levels(model, all_blocks) if self.settings.merges_something else None
-        limit = self.settings.auto_finest if self.settings.auto_level else self.settings.max_downsample
+        levels = block_levels(model, all_blocks) if settings.merges_something else None
+        limit = settings.auto_finest if settings.auto_level else settings.max_downsample
         self.hooked = [(index, name, block) for index, ((name, block), level) in
                        enumerate(zip(all_blocks, levels or [None] * len(all_blocks)))
                        if level is None or limit is None or level <= limit]
         # the finest level of the model's structure (None when unknown): names the level to use when max_downsample
         # is below every block, so that no block is hooked and no call sees a block's level
-        self.structure_finest = min(levels) if levels else None
+        self.runner.structure_finest = min(levels) if levels else None
+        self.runner.hooked_blocks = len(self.hooked)
         self.num_blocks = len(all_blocks)
-        self.runtime_finest = self.settings.auto_level and self.settings.auto_finest is None
-        self._grids: Dict[str, Any] = {}
-        self._decisions: Dict[str, BlockDecision] = {}
         self.installed = False
 
-    def __getstate__(self) -> Dict[str, Any]:
-        state = dict(self.__dict__)
-        state["local"] = None  # (a thread-local: calls in flight belong to this process)
-        return state
+    # what the runner holds, under the names of 0.14 (tools and tests read them)
+    settings = property(lambda self: self.runner.settings)
+    planner = property(lambda self: self.runner.planner)
+    counters = property(lambda self: self.runner.counters)
+    recompute = property(lambda self: self.runner.recompute)
+    local = property(lambda self: self.runner.local)
+    train_timesteps = property(lambda self: self.runner.train_timesteps)
+    state = property(lambda self: self.runner.counters, doc="The counters of ``tome_stats`` (0.11's name).")
 
-    def __setstate__(self, state: Dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self.local = _Local()
+    def in_call(self, sample: Any, timestep: Any = None) -> Iterator[CallRecord]:
+        """:meth:`CallRunner.in_call <ppdiffusers_tome.tome.runner.CallRunner.in_call>`: this thread in a call of the
+        model, for running a block on its own.
+
+        >>> from ppdiffusers_tome.testing import tiny_unet
+        >>> patch = ModelPatch.install(tiny_unet(), ToMeConfig())
+        >>> with patch.in_call(paddle.ones([2, 4, 16, 16])) as call:
+        ...     call.latent_hw
+        (16, 16)
+        >>> patch.remove()
+        """
+        return self.runner.in_call(sample, timestep)
 
     @property
     def blocks(self) -> List[Tuple[str, paddle.nn.Layer]]:
@@ -154,17 +126,14 @@ class ModelPatch:
     @property
     def merged_blocks(self) -> int:
         """Blocks that merged in this thread's latest call that returned."""
-        return self.local.last.merged_blocks if self.local.last is not None else 0
+        last = self.runner.local.last
+        return last.merged_blocks if last is not None else 0
 
     @property
     def finest_level(self) -> Optional[int]:
         """The finest level a transformer block ran at in this thread's latest call that returned."""
-        return self.local.last.finest_level if self.local.last is not None else None
-
-    @property
-    def state(self) -> Counters:
-        """The counters of ``tome_stats`` (an alias kept for code written against 0.11)."""
-        return self.counters
+        last = self.runner.local.last
+        return last.finest_level if last is not None else None
 
     # lifecycle ------------------------------------------------------------------------------------------------------
     @classmethod
@@ -228,10 +197,10 @@ class ModelPatch:
         calls = model_calls(self.model, create=True)
         if self.config.caches_plans:
             calls.use_clock(NAME)
-        add_hook(self.model, NAME, ModelHook(self), outer=False)
+        add_hook(self.model, NAME, ModelHook(self, self.runner), outer=False)
         self.installed = True
         for index, _, block in self.hooked:
-            hook = BlockHook(self, index)
+            hook = BlockHook(self, self.runner, index)
             # inside any other technique's hook on the block: a transformer's step cache skips its middle blocks on
             # cached steps, and a block that does not run must not plan a merge (whichever was applied first)
             add_hook(block, NAME, hook, outer=False)
@@ -289,175 +258,7 @@ class ModelPatch:
 
     def reset(self) -> None:
         """Forget what earlier calls left: counters, cached plans (this thread's; every thread's generation)."""
-        self.counters.reset()
-        if self.planner.cache is not None:
-            self.planner.cache.clear()
-        calls = model_calls(self.model)
-        if calls is not None:
-            calls.reset_clock()
-
-    # one call ------------------------------------------------------------------------------------------------------
-    def begin_call(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> CallRecord:
-        """The record of a call that starts now (the model hook). Refuses a static-graph conversion of options that
-        need Python at run time, and re-entrant recompute, before anything is recorded."""
-        if self.needs_python and converting():
-            refuse_conversion(self.scheduled)
-        if self.recompute.possible:
-            self.recompute.check_call()
-        sample = args[0] if args else kwargs.get("sample", kwargs.get("hidden_states"))
-        index = self.timestep_arg
-        timestep = args[index] if len(args) > index else kwargs.get("timestep")
-        shape = getattr(sample, "shape", None)
-        latent_hw = (int(shape[-2]), int(shape[-1])) if shape is not None and len(shape) == 4 else None
-        if latent_hw is not None and (latent_hw[0] < 0 or latent_hw[1] < 0) and self.plans:  # (-1: tracing)
-            refuse_dynamic_size(type(self.model).__name__, "ToDo" if self.settings.todo else "ToMe", shape)
-        ratio = self.config.ratio
-        if self.scheduled and self.settings.merges_something and not self.settings.todo:
-            progress = progress_of(timestep, self.train_timesteps, self.counters)
-            ratio = check_ratio(ratio_at(ratio, progress), self.config.sx, self.config.sy, f"(progress={progress:.3f})")
-        counters = self.counters
-        counters.calls += 1
-        record = CallRecord(latent_hw, timestep, counters.calls, device_kind(sample), ratio)
-        if self.planner.caches:
-            step, site, fresh = model_calls(self.model).position
-            record.step, record.site = step, site
-            if fresh:
-                self.planner.cache.clear()
-        return record
-
-    @contextlib.contextmanager
-    def in_call(self, sample: Any, timestep: Any = None) -> Iterator[CallRecord]:
-        """Inside the ``with`` block, this thread is in a call of the model with ``sample`` (``[B, C, H, W]``: the
-        latent size) and ``timestep``, as the model hook makes one: for running a block on its own, in tests and
-        tools. Yields the call's record.
-
-        >>> from ppdiffusers_tome.testing import tiny_unet
-        >>> patch = ModelPatch.install(tiny_unet(), ToMeConfig())
-        >>> with patch.in_call(paddle.zeros([2, 4, 16, 16])) as call:
-        ...     call.latent_hw
-        (16, 16)
-        >>> patch.remove()
-        """
-        record = self.begin_call((sample,), {"timestep": timestep})  # (timestep by name: its position differs by model)
-        outer, self.local.call = self.local.call, record
-        try:
-            yield record
-        finally:
-            self.local.call = outer
-
-    def end_call(self, record: CallRecord) -> None:
-        """A call has returned: warn (once) when it merged nothing although the settings ask for merging."""
-        self.local.last = record
-        if tracing():  # (a traced call's record describes the program being built, not a call that ran)
-            return
-        if not record.merged_blocks and not self.counters.warned_no_merge:
-            self._warn_if_nothing_merged(record)
-
-    def abandon_call(self, record: CallRecord) -> None:
-        """A call did not finish (an error, Ctrl-C): forget the plans it kept for later steps, as its step is
-        taken back (the model's step clock does that)."""
-        if self.planner.caches:
-            self.planner.cache.forget(record.step, record.site)
-
-    def plan_block(self, index: int, hidden: Any, call: CallRecord) -> Any:
-        """The plan of block ``index`` for its input ``hidden`` in ``call`` (None when it does not merge)."""
-        if call.latent_hw is None or not isinstance(hidden, TENSOR_TYPES) or hidden.ndim != 3:
-            return None
-        batch, tokens = hidden.shape[0], hidden.shape[1]
-        batch = -1 if batch is None or batch < 0 else batch
-        grids, where = self._grids, f"{call.latent_hw}/{tokens}"
-        if where in grids:
-            grid = grids[where]
-        else:
-            if tokens < 0 and self.plans:  # (a dynamic token count while tracing: no grid is known)
-                refuse_dynamic_tokens(type(self.model).__name__, "ToDo" if self.settings.todo else "ToMe", hidden.shape)
-            grid = grids[where] = grid_of(self.settings, call.latent_hw, tokens)
-        if grid is not None and (call.finest_level is None or grid[0] < call.finest_level):
-            call.finest_level = grid[0]
-        finest = call.finest_level if self.runtime_finest else None
-        key = f"{where}/{batch}/{call.kernels}/{call.ratio}/{finest}"
-        decisions = self._decisions
-        if key in decisions:
-            decision = decisions[key]
-        else:
-            if len(decisions) >= MAX_DECISIONS:  # a ratio schedule over continuous timesteps: a new key per call
-                decisions.clear()
-            decision = decisions[key] = decide(self.settings, tokens, batch, grid, finest, call.kernels, call.ratio)
-        action = decision.action
-        if action == OFF:
-            call.decisions[tokens] = decision
-            return None
-        counters = self.counters
-        if decision.policy is not None:
-            counters.decisions[tokens] = decision.policy
-        if action == SKIPPED:
-            counters.blocks_skipped += 1
-            if decision.policy is not None:
-                self.settings.policy.log_first_skip(decision.policy, type(self.model).__name__)
-            return None
-        if action == POOLED:
-            counters.blocks_pooled += 1
-        plan = self.planner.plan(decision, index, hidden, call, counters)
-        if plan is None:
-            return None
-        if not plan.is_identity:
-            call.merged_blocks += 1
-        if self.recompute.possible and not hidden.stop_gradient:  # (only a graph for a backward can recompute)
-            self.recompute.keep(index, hidden, plan)
-        return plan
-
-    def _warn_if_nothing_merged(self, record: CallRecord) -> None:
-        """Warn once when a completed call merged nothing although the settings ask for merging, naming why (from
-        the decisions of its blocks)."""
-        settings, model = self.settings, type(self.model).__name__
-        if not settings.merges_something or (not self.scheduled and self.config.ratio == 0):
-            return
-        name = "ToDo" if settings.todo else "ToMe"
-        finest_level = record.finest_level
-        if not self.hooked:  # every block is above max_downsample, by the model's structure: none was hooked
-            if self.structure_finest is None or settings.auto_level:
-                return
-            finest_level = self.structure_finest
-            message = self._level_advice(name, model, finest_level)
-        elif finest_level is None:
-            message = (
-                f"{name} changed nothing in {model}: no transformer block's tokens form the "
-                f"{'patch' if settings.patch_size else 'latent'} grid of the input (a layout this package does "
-                "not know, such as video frames folded into the tokens)."
-            )
-        else:
-            finest = [d for tokens, d in sorted(record.decisions.items(), key=lambda item: -item[0])
-                      if d.level == record.finest_level]
-            decision = finest[0] if finest else None
-            if decision is None or decision.action != OFF:
-                return
-            if decision.reason == "no_cell" and self.config.match_window is None:
-                message = (
-                    f"ToMe merged no tokens in {model}: its {decision.grid_h}x{decision.grid_w} token grid holds no "
-                    f"sy x sx = {self.config.sy}x{self.config.sx} cell, so there is no dst token to merge into "
-                    "(nothing was planned). Use smaller sx and sy (2 is the paper's setting) for latents this small."
-                )
-            elif decision.reason == "rounds" and not self.scheduled:
-                tokens, window = decision.tokens, self.config.match_window is not None
-                where = f"each {tokens}-token match_window" if window else f"{tokens} tokens"
-                message = (
-                    f"ToMe merged no tokens in {model}: ratio={record.ratio:g} rounds to int({tokens} * "
-                    f"{record.ratio:g}) = 0 tokens merged in {where}. Use ratio >= {1 / tokens:.3g}"
-                    + (" or a larger match_window." if window else ".")
-                )
-            elif decision.reason == "level" and not settings.auto_level:
-                message = self._level_advice(name, model, finest_level)
-            else:
-                return
-        self.counters.warned_no_merge = True
-        warnings.warn(message, UserWarning, stacklevel=4)
-
-    def _level_advice(self, name: str, model: str, finest_level: int) -> str:
-        return (
-            f"{name} merged no tokens in {model}: its highest-resolution transformer blocks run at "
-            f"{finest_level}x downsampling, above max_downsample={self.config.max_downsample}. Use "
-            f"max_downsample={finest_level} (or 'auto') to merge there."
-        )
+        self.runner.reset()
 
     def plan_in_flight(self, block_index: int) -> Any:
         """The plan block ``block_index`` uses in the call in flight in this thread (None when it does not merge):

@@ -12,7 +12,7 @@ picker, :func:`~ppdiffusers_tome.ops.partition.pick_partitions`, over the grid's
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
 from ..ops.downsample import DownsamplePlan
 from ..ops.global_plan import MergePlan, bipartite_soft_matching_random2d
@@ -21,11 +21,13 @@ from ..ops.partition import layout, pick_partitions, step_key
 from ..ops.windows import window_sides, windows
 from .config import ToMeConfig, tokens_to_merge
 from .decision import MERGE, POOLED, TODO, BlockDecision, finest_block_level
-from .state import CallRecord, Counters, PlanCache
+from .state import CallRecord, PlanCache
 
-__all__ = ["Planner", "finest_block_level"]
+__all__ = ["COMPUTED", "REUSED", "SHARED", "Planner", "finest_block_level"]
 
 POOLING = (2, "nearest")  # the policy's K/V pooling: ToDo's defaults
+# where a merge plan came from (the caller counts them): made now, kept from an earlier step, an earlier block's
+COMPUTED, REUSED, SHARED = "computed", "reused", "shared"
 
 
 class Planner:
@@ -46,42 +48,40 @@ class Planner:
         self.caches = config.caches_plans
         self.cache = PlanCache(config.recompute_every) if self.caches else None
 
-    def plan(self, decision: BlockDecision, block_index: int, hidden: Any, call: CallRecord,
-             counters: Counters) -> Any:
-        """The plan of a block call that ``decision`` says merges, pools or downsamples (None when a merge
-        rounds to nothing after all)."""
+    def plan(self, decision: BlockDecision, block_index: int, hidden: Any, call: CallRecord) -> Tuple[Any, Any]:
+        """``(plan, where it came from)`` for a block call that ``decision`` says merges, pools or downsamples:
+        :data:`COMPUTED`, :data:`REUSED` or :data:`SHARED` for a merge plan, None for a downsampling plan; ``(None,
+        None)`` when there is nothing to plan."""
         action = decision.action
         if action == POOLED or action == TODO:
             config = self.config
             factor, mode = (config.downsample_factor, config.downsample_mode) if action == TODO else POOLING
-            return DownsamplePlan(hidden.shape[1], hidden.shape[0], decision.grid_h, decision.grid_w, factor, mode)
+            return DownsamplePlan(hidden.shape[1], hidden.shape[0], decision.grid_h, decision.grid_w, factor, mode), None
         if action != MERGE:
-            return None
+            return None, None
         tokens = hidden.shape[1]
         shared = decision.shared
         if shared:  # an earlier block of this call planned at this token count
             plans = call.shared
             plan = plans[tokens] if tokens in plans else None
             if plan is not None and plan.batch_size == hidden.shape[0]:
-                counters.plans_shared += 1
-                return plan
+                return plan, SHARED
         grid = (decision.grid_h, decision.grid_w)
         key = f"level{tokens}" if shared else str(block_index)
         plan = self.cache.lookup(key, call, hidden.shape[0], grid) if self.caches else None
-        if plan is not None:
-            counters.plans_reused += 1
-        else:
+        source = REUSED
+        if plan is None:
             if self.config.match_window is not None:
                 plan = self.local_plan(block_index, hidden, grid[0], grid[1], decision.ratio, call)
             else:
                 r = int(tokens * decision.ratio)  # tokens_to_merge, inline: a call fewer per merging block
                 plan = self.global_plan(block_index, hidden, grid[0], grid[1], r, call)
-            counters.plans_computed += 1
+            source = COMPUTED
             if self.caches:
                 self.cache.store(key, call, plan, grid)
         if shared:
             call.shared[tokens] = plan
-        return plan
+        return plan, source
 
     # the plans ----------------------------------------------------------------------------------------------------
     def global_plan(self, block_index: int, hidden: Any, grid_h: int, grid_w: int, r: int,
