@@ -105,16 +105,16 @@ _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 _ATTENTION_COPIES = 2
 _GIB = 1024.0**3
 
-Layout = tuple[dict[str, Any], int]  # (UNet config, VAE scale factor)
+UNetShape = tuple[dict[str, Any], int]  # (UNet config, VAE scale factor); not ops.partition.Layout
 
 
-def preset_layout(name: str) -> Layout:
+def preset_layout(name: str) -> UNetShape:
     """The UNet config and VAE scale factor of preset ``name``, for :func:`estimate_attention_bytes`."""
     config = load_preset(name)
     return config["unet"], 2 ** (len(config["vae"]["block_out_channels"]) - 1)
 
 
-def folder_layout(folder: str) -> Layout | None:
+def folder_layout(folder: str) -> UNetShape | None:
     """The UNet config and VAE scale factor of a local pipeline folder (read from ``unet/config.json`` and
     ``vae/config.json``, nothing loaded), or ``None`` when the folder has no UNet (a DiT, for example)."""
     try:
@@ -149,7 +149,7 @@ def _attention_levels(unet: dict[str, Any], resolution: int, vae_scale: int) -> 
 
 
 def estimate_attention_bytes(
-    layout: Layout, resolution: int, images: int = 1, dtype: str = "float32", guidance: bool = True
+    layout: UNetShape, resolution: int, images: int = 1, dtype: str = "float32", guidance: bool = True
 ) -> int:
     """Bytes held by the largest self-attention of one vanilla UNet forward: ``rows x heads x N x N`` elements
     for the scores and again for their softmax, where ``N`` is the token count of a level with transformer blocks
@@ -182,7 +182,7 @@ def available_memory_bytes() -> int | None:
     return None
 
 
-def _fitting_resolution(layout: Layout, upto: int, budget: float, images: int, dtype: str, step: int = 32) -> int:
+def _fitting_resolution(layout: UNetShape, upto: int, budget: float, images: int, dtype: str, step: int = 32) -> int:
     """The largest multiple of ``step`` pixels up to ``upto`` whose estimate is within ``budget`` bytes (0: none)."""
     for size in range(upto - upto % step, 0, -step):
         if estimate_attention_bytes(layout, size, images, dtype) <= budget:
@@ -191,7 +191,7 @@ def _fitting_resolution(layout: Layout, upto: int, budget: float, images: int, d
 
 
 def check_attention_memory(
-    layout: Layout | None,
+    layout: UNetShape | None,
     resolutions: Sequence[int],
     images: int = 1,
     dtype: str = "float32",
