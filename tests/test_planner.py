@@ -390,7 +390,7 @@ def test_every_reason_of_decide_is_reachable():
 
 
 def test_a_blocks_decision_is_memoised_per_key_and_changes_with_the_ratio(monkeypatch):
-    import ppdiffusers_tome.tome.patch as patch_module
+    import ppdiffusers_tome.tome.runner as patch_module  # (the call runner decides and memoises)
     from ppdiffusers_tome.tome.planner import Planner
 
     decided, planned = [], []
@@ -432,7 +432,7 @@ def test_a_skipped_block_call_reaches_no_plan_code(monkeypatch):
         monkeypatch.setattr(Planner, name, never)
     with gpu_kernels():
         with patch.in_call(paddle.zeros([2, 4, 64, 64])) as call:  # 512 px, one image: the first block's input
-            assert patch.plan_block(0, paddle.zeros([2, 4096, 32]), call) is None
+            assert patch.runner.plan_block(0, paddle.zeros([2, 4096, 32]), call) is None
         outputs = [forward(unet, *inputs) for _ in range(2)]
     for output in outputs:
         np.testing.assert_array_equal(output, vanilla)
@@ -444,7 +444,7 @@ def test_a_skipped_block_call_reaches_no_plan_code(monkeypatch):
 def test_the_decision_memo_stays_bounded_under_a_ratio_schedule(monkeypatch):
     """A ratio schedule makes a new memo key at every new timestep (continuous timesteps: at every call): the memo
     starts over at its bound instead of growing for as long as the model is used."""
-    import ppdiffusers_tome.tome.patch as patch_module
+    import ppdiffusers_tome.tome.runner as patch_module
 
     monkeypatch.setattr(patch_module, "MAX_DECISIONS", 2)
     unet = tiny_unet()
@@ -454,5 +454,5 @@ def test_the_decision_memo_stays_bounded_under_a_ratio_schedule(monkeypatch):
     with paddle.no_grad():
         for t in (999.5, 700.25, 500.125, 300.0625):
             unet(sample, paddle.to_tensor([t]), context)
-            sizes.append(len(get_patch(unet)._decisions))
+            sizes.append(len(get_patch(unet).runner._decisions))
     assert sizes == [1, 2, 1, 2]
