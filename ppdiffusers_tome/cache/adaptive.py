@@ -16,11 +16,11 @@ steps as at 50 (``docs/design.md``, "The adaptive rule").
 contribution, the whole model's residual) is extrapolated to first order in the step index from the last two full
 steps ``f0 < f1``: ``w(t) = w(f1) + (w(f1) - w(f0)) * (t - f1) / (f1 - f0)``; with one full step only, ``w(f1)``.
 
->>> decide(0.25, 0.125, 1, threshold=0.5, max_skips=None)  # 0.375 < 0.5: cached, one more skip
+>>> full_step_due(0.25, 0.125, 1, threshold=0.5, max_skips=None)  # 0.375 < 0.5: cached, one more skip
 (False, 0.375, 2)
->>> decide(0.25, 0.375, 1, threshold=0.5, max_skips=None)  # 0.625 >= 0.5: full, the sum starts again
+>>> full_step_due(0.25, 0.375, 1, threshold=0.5, max_skips=None)  # 0.625 >= 0.5: full, the sum starts again
 (True, 0.0, 0)
->>> decide(0.0, 0.125, 3, threshold=0.5, max_skips=3)  # 3 cached steps in a row already
+>>> full_step_due(0.0, 0.125, 3, threshold=0.5, max_skips=3)  # 3 cached steps in a row already
 (True, 0.0, 0)
 """
 
@@ -35,7 +35,7 @@ import paddle
 
 from ..core.validation import as_choice, is_int, shown
 
-__all__ = ["DEFAULT_THRESHOLD", "FORECASTS", "check_forecast", "check_max_skips", "check_threshold", "decide",
+__all__ = ["DEFAULT_THRESHOLD", "FORECASTS", "check_forecast", "check_max_skips", "check_threshold", "full_step_due",
            "extrapolate", "relative_change"]
 
 # The threshold this package suggests: a full step whenever the deep part's input has moved by 15 % of its size
@@ -87,7 +87,7 @@ def check_forecast(value: Any) -> Optional[str]:
     return choice
 
 
-def decide(accumulated: float, change: float, skips: int, threshold: float,
+def full_step_due(accumulated: float, change: float, skips: int, threshold: float,
            max_skips: Optional[int]) -> Tuple[bool, float, int]:
     """One step of the adaptive rule: ``(full, accumulated, skips)`` after a step whose signal changed by
     ``change`` (relative), given what had ``accumulated`` since the last full step and the ``skips`` (cached steps

@@ -46,7 +46,7 @@ from ..core.registry import LOCK, Hook, StaticGraphError, add_hook, hooks_of, re
 from ..core.targets import fused_sd3_reason, is_fused_sd3, keyword_call, pipeline_candidates, resolve
 from ..core.validation import is_int
 from ..ops.runtime import converting
-from .adaptive import decide, extrapolate, relative_change
+from .adaptive import extrapolate, full_step_due, relative_change
 from .config import CONFIG_FIELDS, CacheConfig
 from .kept import KeptStep, Site
 from .layout import AUTO, CacheLayout, TransformerLayout, layout_of, too_few_blocks
@@ -220,8 +220,8 @@ class StepCache:
             previous, site.signal = site.signal, signal
             if mode == "decide" and previous is not None and previous.shape == signal.shape:
                 change = float(relative_change(signal, previous))  # the one scalar read to the host per call
-                full, site.accumulated, site.skips = decide(site.accumulated, change, site.skips, self.threshold,
-                                                            self.max_skips)
+                full, site.accumulated, site.skips = full_step_due(site.accumulated, change, site.skips,
+                                                                   self.threshold, self.max_skips)
                 mode = "full" if full else "cached"
             elif mode != "cached":
                 mode, site.accumulated, site.skips = "full", 0.0, 0
