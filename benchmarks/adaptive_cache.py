@@ -56,7 +56,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import ppdiffusers_tome  # noqa: E402  (registers apply_tome; quiets Paddle's import)
-from ppdiffusers_tome.cache.adaptive import DEFAULT_THRESHOLD, decide  # noqa: E402
+from ppdiffusers_tome.cache.adaptive import DEFAULT_THRESHOLD, full_step_due  # noqa: E402
 from ppdiffusers_tome.tools.measure import environment, psnr, render_table, set_threads  # noqa: E402
 
 THRESHOLDS = (0.05, 0.1, DEFAULT_THRESHOLD, 0.2, 0.3)
@@ -167,7 +167,7 @@ def planned_full_steps(changes: Sequence[float], threshold: float, max_skips: Op
         if step == len(changes):
             full.append(step)
             break
-        is_full, total, skips = decide(total, change, skips, threshold, max_skips)
+        is_full, total, skips = full_step_due(total, change, skips, threshold, max_skips)
         if is_full:
             full.append(step)
     return full
