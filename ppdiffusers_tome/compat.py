@@ -3,8 +3,9 @@
 0.15 put the modules of each technique in a folder of its own (``core/``, ``tome/``, ``cache/``). An old path still
 imports, with a ``FutureWarning`` naming the new one: a moved module is the new module itself (the same object, so
 its classes and functions are the same too), and the two facades ``ppdiffusers_tome.merge`` (the merge core's names,
-now exported by :mod:`ppdiffusers_tome.ops`) and ``ppdiffusers_tome.joint_attention`` (now :mod:`ppdiffusers_tome.sd3_attention`
-and :mod:`ppdiffusers_tome.tome.joint_attention`) are built from the modules that hold their names now. Objects
+now exported by :mod:`ppdiffusers_tome.ops`) and ``ppdiffusers_tome.joint_attention`` (now
+:mod:`ppdiffusers_tome.sd3_attention` and :mod:`ppdiffusers_tome.tome.joint_attention`) are built from the modules
+that hold their names now. Objects
 pickled by 0.14 load through the same paths. This module imports nothing of the package until an old path is asked
 for, and ``import ppdiffusers_tome`` installs it.
 

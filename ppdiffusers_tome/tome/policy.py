@@ -57,9 +57,10 @@ MERGE_MIN_WORK = 2**28
 #   768 px, batch 8 (4.2e7): 1.18x, 1.19x; 1024 px, batch 2 (3.4e7): 1.28-1.29x, 1.30-1.32x; batch 8: 1.31x, 1.31x
 # 512 px with one image gained at most 1.04x as a CUDA graph (1.10x on SD3.5-large) and lost in eager mode, the mode
 # Paddle's dygraph runs (its host time per operator on a GPU was not measured); from 768 px with one image every
-# CUDA-graph run gained 1.16x or more (eager runs there swung between 0.70x and 1.14x: host-bound). 2**23 = 8.4e6, 512 px with four images, is the smallest
-# product measured above 512 px with one image, and gained in both modes: so 512 px downsamples from four images per
-# call (two images, 2**22, were not measured and stay vanilla), 768 px and 1024 px from one.
+# CUDA-graph run gained 1.16x or more (eager runs there swung between 0.70x and 1.14x: host-bound). 2**23 = 8.4e6,
+# 512 px with four images, is the smallest product measured above 512 px with one image, and gained in both modes:
+# so 512 px downsamples from four images per call (two images, 2**22, were not measured and stay vanilla), 768 px and
+# 1024 px from one.
 JOINT_MIN_WORK = 2**23
 # ToMe's plan on SD3 (r = 0.5, attention only), one plan per call shared by every block / a plan per block:
 #   512 px, batch 8 (8.4e6): shared 0.82x, 1.04x; per block 0.61x, 0.95x

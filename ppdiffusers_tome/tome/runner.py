@@ -69,8 +69,8 @@ class CallRunner:
     """What ToMe does in each call of one model, for the hooks to run: :meth:`begin_call` / :meth:`end_call` /
     :meth:`abandon_call` around the model's forward, :meth:`plan_block` for each hooked block call.
 
-    ``hooked_levels`` says which blocks were hooked (their number) and the finest level of the model's structure
-    (None when unknown), for the warning of a call that merged nothing.
+    The patch that installs the hooks sets ``hooked_blocks`` (how many blocks it hooked) and ``structure_finest``
+    (the finest level of the model's structure, None when unknown), for the warning of a call that merged nothing.
 
     >>> from ppdiffusers_tome.testing import tiny_unet
     >>> from ppdiffusers_tome.tome.patch import find_blocks
