@@ -1,0 +1,286 @@
+"""The shapes task on Stable Diffusion 3's MMDiT: a tiny ``StableDiffusion3Pipeline`` and its flow-matching trainer.
+
+    python -m research.shapes.sd3 --minutes 60 --threads 2 --output shapes-sd3
+
+Parts, all ppdiffusers' own classes:
+
+* **The VAE of the shipped shapes UNet pipeline**, frozen (same latents: 4 channels at 32 x 32 for a 64 x 64 image,
+  the same ``scaling_factor``; SD3's pipeline also reads a ``shift_factor``, set to 0).
+* **An ``SD3Transformer2DModel``** (:data:`TRANSFORMER_CONFIG`): 6 joint blocks (the last ``context_pre_only``, as
+  SD3), width 96 (2 heads of 48), patch 2, so a 64 x 64 image is 16 x 16 = 256 image tokens; 2.0 M parameters.
+  Sized for the CPU: a training step of 8 images takes about 0.6 s on 2 cores.
+* **Two CLIP text encoders with projection** (2 layers, width 64; :data:`TEXT_CONFIG`) sharing the UNet model's
+  word-level tokenizer (:func:`research.shapes.model.build_tokenizer`), and no T5 (``text_encoder_3=None``: the
+  pipeline puts zero tokens in its place). The text stream is 20 CLIP tokens (both encoders' penultimate states side
+  by side, 128 channels = ``joint_attention_dim``) plus 20 zero tokens; the pooled input is the two projections.
+* **``FlowMatchEulerDiscreteScheduler(shift=3.0)``**, SD3's sampler and shift.
+
+Training is SD3's rectified flow: ``x_t = (1 - s) x_0 + s noise`` with ``s`` drawn logit-normal (``sigmoid`` of a
+standard normal) and then shifted as the scheduler shifts its sigmas (``3 s / (1 + 2 s)``), so training sees the
+noise levels sampling visits; the transformer, given ``t = 1000 s``, predicts ``noise - x_0`` (mean squared error).
+The transformer and both text encoders are trained jointly (10 % of the captions replaced by the empty prompt, for
+classifier-free guidance); an exponential moving average of the transformer is what is saved. Seeding, the time
+budget, ``--max-steps``, ``--lr-decay`` and the periodic saves follow :mod:`research.shapes.train` (its docstring
+says how to reproduce shipped weights); the output folder gets the pipeline and ``train_log.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import time
+from typing import Any, Callable, Dict, Optional, Sequence
+
+import numpy as np
+
+from . import dataset
+from .model import build_tokenizer
+from .train import CAPTION_DROPOUT, _Ema, _save, _short, learning_rate_factor
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["TRANSFORMER_CONFIG", "TEXT_CONFIG", "SHIFT", "build_sd3_pipeline", "load_shapes_vae", "sample_sigmas",
+           "flow_loss", "SD3TrainConfig", "train_sd3", "main"]
+
+TRANSFORMER_CONFIG: Dict[str, Any] = {
+    "sample_size": 32,
+    "patch_size": 2,
+    "in_channels": 4,
+    "out_channels": 4,
+    "num_layers": 6,
+    "num_attention_heads": 2,
+    "attention_head_dim": 48,
+    "joint_attention_dim": 128,  # the two encoders' 64 channels side by side (no padding, as no T5 is wider)
+    "caption_projection_dim": 96,
+    "pooled_projection_dim": 128,
+    "pos_embed_max_size": 16,
+}
+TEXT_CONFIG: Dict[str, Any] = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                               "num_attention_heads": 4}
+SHIFT = 3.0
+
+
+def load_shapes_vae(folder: str = ""):
+    """The trained VAE of the shipped shapes pipeline (or of ``folder``), frozen, with ``shift_factor=0``."""
+    from ppdiffusers import AutoencoderKL
+
+    from ppdiffusers_tome.tools.shapes import pipeline_folder
+
+    vae = AutoencoderKL.from_pretrained(folder or pipeline_folder(), subfolder="vae")
+    vae.register_to_config(shift_factor=0.0)
+    vae.eval()
+    for param in vae.parameters():
+        param.stop_gradient = True
+    return vae
+
+
+def _text_encoder(vocab_size: int, max_length: int, seed: int):
+    import paddle
+    from ppdiffusers.transformers import CLIPTextConfig, CLIPTextModelWithProjection
+
+    config = CLIPTextConfig(vocab_size=vocab_size, max_position_embeddings=max_length,
+                            projection_dim=TEXT_CONFIG["hidden_size"], bos_token_id=vocab_size - 2,
+                            eos_token_id=vocab_size - 1, pad_token_id=vocab_size - 1, **TEXT_CONFIG)
+    paddle.seed(seed)
+    return CLIPTextModelWithProjection(config)
+
+
+def build_sd3_pipeline(vae=None, seed: int = 0):
+    """A ``StableDiffusion3Pipeline`` of this layout with random weights (transformer from ``seed``, text encoders
+    from ``seed + 2`` and ``seed + 3``) on ``vae`` (default :func:`load_shapes_vae`), models in eval mode, the
+    joint attention on :func:`ppdiffusers_tome.sd3_attention.use_math_attention` (CPUs run it), progress bar off.
+
+    >>> pipe = build_sd3_pipeline()
+    >>> len(pipe.transformer.transformer_blocks), pipe.text_encoder_3 is None
+    (6, True)
+    """
+    import paddle
+    from ppdiffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+
+    from ppdiffusers_tome.sd3_attention import use_math_attention
+
+    tokenizer = build_tokenizer()
+    vocab = len(tokenizer.get_vocab())
+    paddle.seed(seed)
+    transformer = SD3Transformer2DModel(**TRANSFORMER_CONFIG)
+    pipe = StableDiffusion3Pipeline(
+        transformer=transformer, vae=vae if vae is not None else load_shapes_vae(),
+        scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=SHIFT),
+        text_encoder=_text_encoder(vocab, tokenizer.model_max_length, seed + 2), tokenizer=tokenizer,
+        text_encoder_2=_text_encoder(vocab, tokenizer.model_max_length, seed + 3), tokenizer_2=tokenizer,
+        text_encoder_3=None, tokenizer_3=None)
+    use_math_attention(pipe)
+    for model in (pipe.transformer, pipe.text_encoder, pipe.text_encoder_2):
+        model.eval()
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def sample_sigmas(rng: np.random.Generator, count: int, shift: float = SHIFT) -> np.ndarray:
+    """``count`` noise levels: ``sigmoid`` of a standard normal (SD3's logit-normal), shifted as the scheduler
+    shifts its sigmas, ``shift s / (1 + (shift - 1) s)``.
+
+    >>> levels = sample_sigmas(np.random.default_rng(0), 1000)
+    >>> bool(levels.min() > 0 and levels.max() < 1), round(float(np.median(levels)), 1)
+    (True, 0.8)
+    """
+    s = 1.0 / (1.0 + np.exp(-rng.standard_normal(count)))
+    return (shift * s / (1.0 + (shift - 1.0) * s)).astype(np.float32)
+
+
+def flow_loss(pipe, latents, captions: Sequence[str], noise, sigmas):
+    """The rectified-flow loss: the transformer's prediction at ``(1 - s) latents + s noise`` (timestep ``1000 s``)
+    against ``noise - latents``, mean squared error; the prompts go through the pipeline's own ``encode_prompt``."""
+    import paddle
+
+    embeds, _, pooled, _ = pipe.encode_prompt(prompt=list(captions), prompt_2=list(captions),
+                                              prompt_3=list(captions), do_classifier_free_guidance=False)
+    sigma = paddle.to_tensor(sigmas)
+    s = sigma.reshape([-1, 1, 1, 1])
+    noisy = (1.0 - s) * latents + s * noise
+    prediction = pipe.transformer(hidden_states=noisy, timestep=sigma * 1000.0, encoder_hidden_states=embeds,
+                                  pooled_projections=pooled).sample
+    return ((prediction - (noise - latents)) ** 2).mean()
+
+
+class SD3TrainConfig:
+    """The settings of a run (see :func:`train_sd3`); ``as_dict`` is written into the log."""
+
+    def __init__(self, minutes: float = 60.0, seed: int = 0, batch_size: int = 8, lr: float = 5e-4,
+                 max_steps: Optional[int] = None, threads: Optional[int] = None, save_every_minutes: float = 5.0,
+                 lr_decay: str = "auto") -> None:
+        if not minutes > 0:
+            raise ValueError(f"minutes must be > 0; got {minutes}")
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1; got {batch_size}")
+        if not lr > 0:
+            raise ValueError(f"lr must be > 0; got {lr}")
+        if max_steps is not None and max_steps < 1:
+            raise ValueError(f"max_steps must be >= 1; got {max_steps}")
+        if lr_decay not in ("auto", "cosine", "none"):
+            raise ValueError(f"lr_decay must be 'auto', 'cosine' or 'none'; got {lr_decay!r}")
+        self.minutes, self.seed, self.batch_size, self.lr = float(minutes), int(seed), int(batch_size), float(lr)
+        self.max_steps, self.threads, self.save_every_minutes = max_steps, threads, float(save_every_minutes)
+        self.lr_decay = lr_decay
+
+    def as_dict(self) -> Dict[str, Any]:
+        return dict(vars(self))
+
+
+def _set_mode(pipe, training: bool) -> None:
+    for model in (pipe.transformer, pipe.text_encoder, pipe.text_encoder_2):
+        model.train() if training else model.eval()
+
+
+def train_sd3(output: str, config: Optional[SD3TrainConfig] = None,
+              clock: Callable[[], float] = time.monotonic) -> Dict[str, Any]:
+    """Train the SD3 shapes pipeline with ``config`` and save it with its log into ``output``; returns the log
+    (``settings``, ``parameters``, ``scaling_factor``, ``steps``: one ``{"step", "loss", "seconds"}`` per step)."""
+    import paddle
+
+    from ppdiffusers_tome.tools.measure import set_threads
+
+    config = config or SD3TrainConfig()
+    start = clock()
+    threads = set_threads(config.threads)
+    paddle.seed(config.seed)
+    rng = np.random.default_rng(config.seed)
+    os.makedirs(output, exist_ok=True)
+    pipe = build_sd3_pipeline(seed=config.seed)
+    models = {"transformer": pipe.transformer, "text_encoder": pipe.text_encoder,
+              "text_encoder_2": pipe.text_encoder_2}
+    scaling = float(pipe.vae.config.scaling_factor)
+    log: Dict[str, Any] = {"settings": dict(config.as_dict(), threads=threads), "scaling_factor": scaling,
+                           "parameters": {k: int(sum(int(p.numel()) for p in m.parameters()))
+                                          for k, m in models.items()}, "steps": []}
+    parameters = [p for m in models.values() for p in m.parameters()]
+    decay_total = config.max_steps if config.lr_decay != "none" else None
+    schedule = paddle.optimizer.lr.LambdaDecay(config.lr, lambda k: learning_rate_factor(k, decay_total))
+    optimizer = paddle.optimizer.AdamW(learning_rate=schedule, parameters=parameters, weight_decay=1e-2,
+                                       grad_clip=paddle.nn.ClipGradByGlobalNorm(1.0))
+    ema = _Ema(pipe.transformer)
+    _set_mode(pipe, True)
+    end, last_save, step, step_seconds = start + config.minutes * 60.0, clock(), 0, 0.0
+    while (config.max_steps is None or step < config.max_steps) and clock() + step_seconds <= end:
+        began = clock()
+        images, captions, _ = dataset.batch(range(step * config.batch_size, (step + 1) * config.batch_size),
+                                            seed=config.seed)
+        captions = ["" if rng.random() < CAPTION_DROPOUT else c for c in captions]
+        with paddle.no_grad():
+            latents = pipe.vae.encode(paddle.to_tensor(images)).latent_dist.mean * scaling
+        noise = paddle.randn(latents.shape, dtype=latents.dtype)
+        loss = flow_loss(pipe, latents, captions, noise, sample_sigmas(rng, len(captions)))
+        loss.backward()
+        optimizer.step()
+        optimizer.clear_grad()
+        schedule.step()
+        ema.update()
+        step_seconds = clock() - began
+        log["steps"].append({"step": step, "loss": _short(loss), "seconds": round(clock() - start, 2)})
+        if step % 50 == 0:
+            logger.info("step %d: loss %.4f (%.2f s/step)", step, float(loss), step_seconds)
+        step += 1
+        if clock() - last_save > config.save_every_minutes * 60.0:
+            _set_mode(pipe, False)
+            _save(pipe, output, log, ema)
+            _set_mode(pipe, True)
+            last_save = clock()
+    _set_mode(pipe, False)
+    log["seconds"] = round(clock() - start, 3)
+    _save(pipe, output, log, ema)
+    return log
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m research.shapes.sd3",
+                                     description="Train the tiny SD3 shapes pipeline within a time budget.")
+    parser.add_argument("--minutes", type=float, default=60.0, help="time budget in minutes (default 60)")
+    parser.add_argument("--output", required=True, help="folder for the pipeline and train_log.json")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=5e-4, help="peak learning rate (default 5e-4)")
+    parser.add_argument("--max-steps", type=int, default=None, help="stop after this many steps")
+    parser.add_argument("--lr-decay", choices=("auto", "cosine", "none"), default="auto",
+                        help="auto: cosine to 10%% with --max-steps, constant with a time budget only")
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    parser.add_argument("--save-every", type=float, default=5.0, help="minutes between saves (default 5)")
+    parser.add_argument("--preview", default="", help="also write a preview picture (PNG) here")
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of ``python -m research.shapes.sd3``."""
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    try:
+        config = SD3TrainConfig(minutes=args.minutes, seed=args.seed, batch_size=args.batch_size, lr=args.lr,
+                                max_steps=args.max_steps, threads=args.threads, save_every_minutes=args.save_every,
+                                lr_decay=args.lr_decay)
+    except ValueError as error:
+        _parser().error(str(error))
+    log = train_sd3(args.output, config)
+    if args.preview:
+        from .train import preview
+
+        picture, _ = preview(load_sd3_folder(args.output))
+        picture.resize((picture.width * 2, picture.height * 2), 0).save(args.preview)
+    logger.info("saved %s: %d steps in %.0f s, last loss %s", args.output, len(log["steps"]), log["seconds"],
+                log["steps"][-1]["loss"] if log["steps"] else "n/a")
+    return 0
+
+
+def load_sd3_folder(folder: str):
+    """A saved SD3 shapes pipeline from ``folder``, offline, on the math attention, progress bar off."""
+    from ppdiffusers import StableDiffusion3Pipeline
+
+    from ppdiffusers_tome.sd3_attention import use_math_attention
+
+    pipe = StableDiffusion3Pipeline.from_pretrained(folder, text_encoder_3=None, tokenizer_3=None)
+    use_math_attention(pipe)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
