@@ -23,10 +23,11 @@ setup(
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     packages=find_packages(include=["ppdiffusers_tome", "ppdiffusers_tome.*"]),
-    # the presets' configs and the trained shapes pipeline of the offline demo (about 7 MB); the repository's
-    # research/ (training, dataset, classifier) and benchmarks/ stay out of the wheel
-    package_data={"ppdiffusers_tome": ["tools/configs/*.json", "tools/shapes_model/*.json",
-                                       "tools/shapes_model/pipeline/*.json", "tools/shapes_model/pipeline/*/*"]},
+    # the presets' configs and the trained shapes pipelines of the offline demo (the UNet's, about 7 MB, and SD3's);
+    # the repository's research/ (training, dataset, classifier) and benchmarks/ stay out of the wheel
+    package_data={"ppdiffusers_tome": ["tools/configs/*.json"] + [
+        f"tools/{model}/{pattern}" for model in ("shapes_model", "shapes_sd3_model")
+        for pattern in ("*.json", "pipeline/*.json", "pipeline/*/*")]},
     python_requires=">=3.8",
     install_requires=["ppdiffusers>=0.29,<0.30", "numpy", "Pillow"],
     extras_require={"test": ["pytest>=7", "hypothesis>=6"], "plots": ["matplotlib>=3.5"]},

@@ -6,8 +6,9 @@ For one model and one number of steps ``N``, every configuration below runs from
 * ``vanilla`` (``N`` steps), ``fewer steps 1/2`` and ``1/3`` (``N // 2`` and ``N // 3`` steps, no cache);
 * ``interval 2`` / ``3`` / ``4``: the fixed-interval cache;
 * ``adaptive T`` for each ``--thresholds`` T, and ``adaptive T + forecast`` (``forecast="linear"``);
-* on SD3 also ``whole-model T``: the whole-model cache (what SD3 built with ``INFERENCE_OPTIMIZE=True`` takes);
-* each of the above again with merging: ``+ ToMe 0.5`` on the shapes UNet, ``+ ToDo`` on SD3 (``--merge``).
+* on SD3 (both models) also ``whole-model T``: the whole-model cache (what SD3 built with ``INFERENCE_OPTIMIZE=True`` takes);
+* each of the above again with merging: ``+ ToMe 0.5`` on the shapes models, ``+ ToDo`` on SD3's layout
+  (``--merge``).
 
 Per configuration: the wall-time ratio to vanilla (vanilla's seconds of the same seed over the configuration's:
 median and range over seeds), the steps computed in full per generation (the denoiser's full calls, from
@@ -22,6 +23,8 @@ Models (``--model``):
   held-out caption; the feature distance is ``1 - cosine`` of the shapes classifier's 128 features of the image and
   of vanilla's (mean over images), and the classifier's accuracy against the caption is reported (mean of its four
   heads; ``research/shapes/``, as ``benchmarks/shapes_fidelity.py`` scores the shipped pipeline).
+* ``shapes-sd3``: the shipped SD3 shapes pipeline (trained, six MMDiT blocks, 64 x 64, flow-matching Euler,
+  guidance 4), scored as ``shapes``; its cache configurations include the whole-model cache.
 * ``sd3``: SD3-medium's layout at ``--width`` with random weights (``benchmarks/sd3_forward.py``'s model and its
   flow-matching Euler loop with guidance, batch 2 = one image), the transformer alone: speed only. PSNR and SSIM are
   then of the final latents scaled to [0, 1] by vanilla's range, and the distance is their relative L2; with random
@@ -276,13 +279,15 @@ def _sibling(name: str) -> Any:
 
 
 class ShapesModel:
-    """The shipped shapes pipeline, its held-out captions and its classifier."""
+    """A shipped shapes pipeline (the UNet's, or SD3's with ``--model shapes-sd3``), its held-out captions and its
+    classifier."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         from ppdiffusers_tome.tools import shapes
         from research.shapes import scoring
 
-        self.pipe = shapes.load_pipeline()
+        sd3 = args.model == "shapes-sd3"
+        self.pipe = shapes.load_sd3_pipeline() if sd3 else shapes.load_pipeline()
         if args.scheduler:
             import ppdiffusers
 
@@ -291,8 +296,8 @@ class ShapesModel:
         self.classifier = scoring.load_trained_classifier()
         self.prompts, labels, _ = scoring.held_out_prompts(args.prompts)
         self.targets = scoring.label_targets(labels)
-        self.guidance, self.batch = shapes.DEMO_GUIDANCE, args.batch
-        self.denoiser = self.pipe.unet
+        self.guidance, self.batch = (shapes.SD3_DEMO_GUIDANCE if sd3 else shapes.DEMO_GUIDANCE), args.batch
+        self.denoiser = self.pipe.transformer if sd3 else self.pipe.unet
 
     def configure(self, config: Config) -> None:
         ppdiffusers_tome.remove_tome(self.pipe)
@@ -366,14 +371,18 @@ def full_steps(model: Any, config: Config, generations: int) -> float:
 
 def run(args: argparse.Namespace) -> Dict[str, Any]:
     threads = set_threads(args.threads)
-    model = ShapesModel(args) if args.model == "shapes" else SD3Model(args)
-    merge = None if args.merge == "none" else args.merge or ("tome" if args.model == "shapes" else "todo")
-    configs = configurations(args.steps, args.thresholds, merge, whole_model=args.model == "sd3")
+    trained = args.model in ("shapes", "shapes-sd3")  # a shipped pipeline, scored by the classifier
+    if args.scheduler and args.model != "shapes":
+        raise SystemExit(f"--scheduler: only the shapes UNet model takes another sampler; {args.model} runs SD3's "
+                         "flow-matching Euler")
+    model = ShapesModel(args) if trained else SD3Model(args)
+    merge = None if args.merge == "none" else args.merge or ("todo" if args.model == "sd3" else "tome")
+    configs = configurations(args.steps, args.thresholds, merge, whole_model=args.model != "shapes")
     names = ["vanilla"] + [name for name in (args.configs or list(configs)) if name != "vanilla"]
     unknown = [name for name in names if name not in configs]
     if unknown:
         raise SystemExit(f"unknown configuration(s) {unknown}; the configurations are {list(configs)}")
-    generations = 1 if args.model == "sd3" else -(-args.prompts // args.batch)
+    generations = -(-args.prompts // args.batch) if trained else 1
     for name in names:  # untimed warm-up: first-call allocations
         model.configure(configs[name])
         model.generate(2, 0, prompts=1)
@@ -395,7 +404,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
             rows[name]["speedup"] = rows["vanilla"]["seconds"] / rows[name]["seconds"]
             if name != "vanilla":  # (vanilla's own PSNR is infinite: left out, keeping the JSON standard)
                 rows[name].update(model.quality(images["vanilla"], images[name]))
-            elif args.model == "shapes":
+            elif trained:
                 rows[name]["accuracy"] = model.quality(images["vanilla"], images["vanilla"])["accuracy"]
             per_seed[name].append(rows[name])
     model.configure(Config("vanilla", "vanilla", args.steps))
@@ -406,7 +415,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         "settings": {"model": args.model, "steps": args.steps, "seeds": args.seeds, "thresholds": list(args.thresholds),
                      "merge": merge, "scheduler": args.scheduler or ("ddim" if args.model == "shapes" else
                                                                      "flow-match euler"),
-                     **({"prompts": args.prompts, "batch": args.batch} if args.model == "shapes" else
+                     **({"prompts": args.prompts, "batch": args.batch} if trained else
                         {"size": args.size, "layers": args.layers, "width": args.width})},
         "families": {name: configs[name].family for name in names},
         "per_seed": per_seed,
@@ -415,7 +424,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
 
 
 def table_rows(data: Dict[str, Any]) -> List[List[str]]:
-    shapes = data["settings"]["model"] == "shapes"
+    shapes = data["settings"]["model"] in ("shapes", "shapes-sd3")
     header = ["configuration", "steps (full)", "speed-up (median, range)", "PSNR to vanilla dB", "SSIM",
               "feature distance (1 - cos)" if shapes else "rel. L2 of latents"]
     rows = [header + (["classifier accuracy %"] if shapes else [])]
@@ -435,7 +444,9 @@ def table_rows(data: Dict[str, Any]) -> List[List[str]]:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--model", choices=("shapes", "sd3"), default="shapes")
+    parser.add_argument("--model", choices=("shapes", "shapes-sd3", "sd3"), default="shapes",
+                        help="the shipped shapes UNet model, the shipped SD3 shapes model, or SD3-medium's layout "
+                             "with random weights (speed only)")
     parser.add_argument("--steps", type=int, default=50, help="denoising steps of vanilla and the caches")
     parser.add_argument("--thresholds", type=float, nargs="+", default=list(THRESHOLDS))
     parser.add_argument("--merge", choices=("tome", "todo", "none"), default=None,

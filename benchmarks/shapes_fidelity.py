@@ -69,6 +69,23 @@ CONFIGS: Dict[str, Method] = {
     "ToMe 0.5 + cache 3, layers 1": Method("tome", 0.5, cache={"interval": 3, "layers": 1}),
 }
 
+# The SD3 shapes model (--model shapes-sd3): ppdiffusers' built-in port has no SD3 path, so it is left out; ToMe on
+# the joint attention alone and with the MLP, ToDo, and the transformer step cache (its default layers)
+SD3_CONFIGS: Dict[str, Method] = {
+    "vanilla": Method("vanilla"),
+    "ToMe 0.3": Method("tome", 0.3),
+    "ToMe 0.5": Method("tome", 0.5),
+    "ToMe 0.3 + MLP": Method("tome", 0.3, options={"merge_mlp": True}),
+    "ToMe 0.5 + MLP": Method("tome", 0.5, options={"merge_mlp": True}),
+    "ToDo": Method("todo"),
+    "cache 2": Method("cache", cache={"interval": 2}),
+    "cache 3": Method("cache", cache={"interval": 3}),
+    "cache 4": Method("cache", cache={"interval": 4}),
+    "ToMe 0.5 + cache 3": Method("tome", 0.5, cache={"interval": 3}),
+    "ToDo + cache 3": Method("todo", cache={"interval": 3}),
+}
+MODELS = {"shapes": CONFIGS, "shapes-sd3": SD3_CONFIGS}
+
 
 def generate(pipe, prompts: Sequence[str], seed: int, steps: int, guidance: float, batch: int) -> np.ndarray:
     """One image per prompt as float ``[N, 3, 64, 64]`` in [-1, 1]; batch ``k`` starts from generator seed
@@ -165,7 +182,8 @@ def fidelity_grid(images: Dict[str, np.ndarray], prompts: Sequence[str]):
 
 def run(args: argparse.Namespace) -> Dict[str, Any]:
     threads = set_threads(args.threads)
-    pipe = shipped.load_pipeline()
+    configs = MODELS[args.model]
+    pipe = shipped.load_sd3_pipeline() if args.model == "shapes-sd3" else shipped.load_pipeline()
     model = scoring.load_trained_classifier()
     prompts, labels, real_of_prompts = scoring.held_out_prompts(args.prompts)
     targets = scoring.label_targets(labels)
@@ -179,7 +197,10 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         real[head] = {"mean": real["accuracy"][head], "sd": 0.0}
     real["feature_distance"] = mean_sd([shapes_classifier.feature_distance(model, s, reference) for s in real_sets])
 
-    names = ["vanilla"] + [name for name in (args.configs or list(CONFIGS)) if name != "vanilla"]
+    unknown = sorted(set(args.configs or []) - set(configs))
+    if unknown:
+        raise SystemExit(f"--configs: {', '.join(unknown)} not among {args.model}'s: {', '.join(configs)}")
+    names = ["vanilla"] + [name for name in (args.configs or list(configs)) if name != "vanilla"]
     per_config: Dict[str, List[Dict[str, Any]]] = {name: [] for name in names}
     grid_images: Dict[str, np.ndarray] = {}
     for seed in range(args.seeds):
@@ -187,7 +208,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         results: Dict[str, Dict[str, Any]] = {}
         outputs: Dict[str, np.ndarray] = {}
         for name in order:
-            configure(pipe, CONFIGS[name], "auto")
+            configure(pipe, configs[name], "auto")
             began = time.perf_counter()
             images = generate(pipe, prompts, seed, args.steps, args.guidance, args.batch)
             seconds = time.perf_counter() - began
@@ -211,7 +232,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         "command": " ".join(["benchmarks/shapes_fidelity.py"] + sys.argv[1:]),
         "version": ppdiffusers_tome.__version__,
         "environment": environment(threads, "float32"),
-        "settings": {"seeds": args.seeds, "prompts": args.prompts, "reference": args.reference, "steps": args.steps,
+        "settings": {"model": args.model, "seeds": args.seeds, "prompts": args.prompts, "reference": args.reference, "steps": args.steps,
                      "guidance": args.guidance, "max_downsample": "auto"},
         "prompts": prompts,
         "real": real,
@@ -226,17 +247,21 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
 def main(argv: Sequence[str] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--model", choices=list(MODELS), default="shapes",
+                        help="the shipped UNet model, or the same task on SD3's MMDiT")
     parser.add_argument("--seeds", type=int, default=4, help="initial-latent seeds (>= 2 for a spread)")
     parser.add_argument("--prompts", type=int, default=32, help="held-out captions per seed")
     parser.add_argument("--reference", type=int, default=512, help="real images the feature distance compares with")
-    parser.add_argument("--steps", type=int, default=shipped.DEMO_STEPS, help="DDIM steps")
-    parser.add_argument("--guidance", type=float, default=shipped.DEMO_GUIDANCE, help="classifier-free guidance")
+    parser.add_argument("--steps", type=int, default=None, help="sampling steps (default: the model's demo steps)")
+    parser.add_argument("--guidance", type=float, default=None,
+                        help="classifier-free guidance (default: the model's demo guidance)")
     parser.add_argument("--batch", type=int, default=16, help="images per pipeline call")
     parser.add_argument("--grid", type=int, default=6, help="captions shown in grid.png")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
     parser.add_argument("--output", default=os.path.join("outputs", "shapes_fidelity"))
-    parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=None, metavar="NAME",
-                        help=f"configurations to score (default: all; vanilla always): {', '.join(CONFIGS)}")
+    parser.add_argument("--configs", nargs="+", default=None, metavar="NAME",
+                        help=f"configurations to score (default: all; vanilla always): {', '.join(CONFIGS)}; "
+                             f"shapes-sd3: {', '.join(SD3_CONFIGS)}")
     parser.add_argument("--render", default=None, help="print the tables of an earlier results.json and exit")
     args = parser.parse_args(argv)
     if args.render:
@@ -245,6 +270,10 @@ def main(argv: Sequence[str] = None) -> int:
     else:
         if args.seeds < 1 or args.prompts < 2 or args.reference < 2:
             parser.error("--seeds must be >= 1, --prompts and --reference >= 2")
+        sd3 = args.model == "shapes-sd3"
+        args.steps = args.steps or (shipped.SD3_DEMO_STEPS if sd3 else shipped.DEMO_STEPS)
+        args.guidance = args.guidance if args.guidance is not None else (
+            shipped.SD3_DEMO_GUIDANCE if sd3 else shipped.DEMO_GUIDANCE)
         data = run(args)
         with open(os.path.join(args.output, "results.json"), "w", encoding="utf-8") as f:
             json.dump(data, f, indent=1, default=str)

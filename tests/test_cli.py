@@ -155,7 +155,7 @@ def test_demo_without_a_source_runs_the_shipped_shapes_model_with_its_own_defaul
 
     parser = build_parser()
     args = parser.parse_args(["demo"])
-    assert resolve_model(args) is True
+    assert resolve_model(args) == "shapes"
     assert args.model == shipped.pipeline_folder() and args.preset is None
     assert (args.prompt, args.steps, args.guidance_scale) == (shipped.DEMO_PROMPT, shipped.DEMO_STEPS,
                                                               shipped.DEMO_GUIDANCE)
@@ -167,7 +167,7 @@ def test_demo_without_a_source_runs_the_shipped_shapes_model_with_its_own_defaul
         "a small blue circle at the center on a white background", 3, 2.0)
     # a preset keeps the full-size defaults: its pipeline's guidance, 8 steps, the SD-style prompt
     args = parser.parse_args(["demo", "--preset", "tiny"])
-    assert resolve_model(args) is False
+    assert resolve_model(args) == ""
     assert args.model is None and args.steps == 8 and args.guidance_scale is None and "lighthouse" in args.prompt
 
 
@@ -177,12 +177,15 @@ def test_model_shapes_names_the_shipped_folder_in_bench_too(tmp_path, monkeypatc
     from ppdiffusers_tome.tools.cli import build_parser
 
     args = build_parser().parse_args(["bench", "--model", "shapes"])
-    assert resolve_model(args) is True and args.model == shipped.pipeline_folder()
+    assert resolve_model(args) == "shapes" and args.model == shipped.pipeline_folder()
     assert model_layout(args)[1] == 64  # 32x32 latents through the 2x VAE
+    args = build_parser().parse_args(["bench", "--model", "shapes-sd3"])
+    assert resolve_model(args) == "shapes-sd3" and args.model == shipped.sd3_pipeline_folder()
+    assert model_layout(args)[1] == 64  # the transformer's 32x32 latents through the same 2x VAE
     monkeypatch.chdir(tmp_path)
     (tmp_path / "shapes").mkdir()  # a user's own folder called "shapes" is taken as that folder
     args = build_parser().parse_args(["bench", "--model", "shapes"])
-    assert resolve_model(args) is False and args.model == "shapes"
+    assert resolve_model(args) == "" and args.model == "shapes"
 
 
 def test_missing_shipped_weights_are_a_clear_error(monkeypatch, capsys, tmp_path):
@@ -206,6 +209,21 @@ def test_default_demo_shows_the_prompt_and_no_noise_warning(tmp_path, capsys):
     record = read_record(tmp_path)
     assert record["settings"]["prompt"] == DEMO_PROMPT and record["settings"]["guidance_scale"] == 4.0
     assert (tmp_path / "demo.png").is_file()
+
+
+def test_demo_of_the_sd3_shapes_model_compares_tome_todo_and_the_cache(tmp_path, capsys):
+    from ppdiffusers_tome.tools import shapes as shipped
+
+    assert main(["demo", "--model", "shapes-sd3", "--steps", "2", "--ratios", "0.5", "--repeats", "1",
+                 "--threads", "1", "--output", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "ToMe demo: SD3 shapes model (trained, shipped in the package), 64x64, 2 steps" in out
+    assert "its finest attention holds 256 tokens" in out  # 16 x 16 patches of 2 x 2 latents
+    record = read_record(tmp_path)
+    assert [(row["method"], row["cache"]) for row in record["results"]] == [
+        ("vanilla", None), ("tome", None), ("todo", None), ("cache", 3), ("tome", 3)]
+    assert record["settings"]["guidance_scale"] == shipped.SD3_DEMO_GUIDANCE
+    assert all(row["psnr_db"] != "inf" for row in record["results"][1:])  # each one changed the image
 
 
 def test_unknown_preset_is_refused_with_the_list(capsys):

@@ -304,7 +304,10 @@ def test_from_pretrained_loads_a_saved_tiny_sd3_pipeline(tmp_path, loader):
     loaded = LOADERS[loader](str(tmp_path))
     assert type(loaded) is StableDiffusion3Pipeline
     assert loaded.text_encoder_3 is None and loaded.tokenizer_3 is None
-    assert all(type(p) is JointAttnProcessor2_5 for p in loaded.transformer.attn_processors.values())
+    # load_local_pipeline (the CLI's loader) puts the math path on where ppdiffusers' GPU function is missing
+    math_path = loader == "load_local_pipeline" and not hasattr(F, GPU_FUNCTION)
+    kind = JointMathAttnProcessor if math_path else JointAttnProcessor2_5
+    assert all(type(p) is kind for p in loaded.transformer.attn_processors.values())
     loaded.set_progress_bar_config(disable=True)
     np.testing.assert_array_equal(call(use_math_attention(loaded)), expected)
 

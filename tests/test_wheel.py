@@ -46,6 +46,7 @@ def test_wheel_installs_into_a_fresh_folder_and_its_command_runs_from_elsewhere(
     # the library, the tools and the shipped pipeline; no research code (training, dataset, classifier, figure)
     assert "ppdiffusers_tome/ops/global_plan.py" in files and "ppdiffusers_tome/tools/cli.py" in files
     assert "ppdiffusers_tome/tools/shapes_model/pipeline/model_index.json" in files
+    assert "ppdiffusers_tome/tools/shapes_sd3_model/pipeline/transformer/config.json" in files
     research = [name for name in files if re.search(r"(research|train|dataset|classifier|figure)\w*\.py$|classifier", name)]
     assert not research, research
     site = tmp_path / "site"

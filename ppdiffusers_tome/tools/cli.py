@@ -190,8 +190,9 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
 def _presets_epilog(default: str | None = DEFAULT_PRESET) -> str:
     lines = []
     if default is None:  # the demo: the shipped trained model runs unless a preset or a folder is named
-        lines += ["model (trained, shipped in the package; the default):",
-                  f"  {'shapes':<18} {64:>5} px  coloured shapes from a caption (--model shapes)", ""]
+        lines += ["models (trained, shipped in the package; shapes is the default):",
+                  f"  {'shapes':<18} {64:>5} px  coloured shapes from a caption (--model shapes)",
+                  f"  {'shapes-sd3':<18} {64:>5} px  the same task on SD3's MMDiT (--model shapes-sd3)", ""]
     lines.append("presets (random weights, built offline; default resolution in pixels):")
     for name in available_presets():
         mark = " (default)" if name == default else ""
@@ -233,8 +234,9 @@ def _add_demo_parser(sub: argparse._SubParsersAction) -> None:
         epilog=_presets_epilog(default=None),
     )
     source = demo.add_mutually_exclusive_group()
-    source.add_argument("--model", help="a local pipeline folder (model_index.json), or 'shapes' (the shipped "
-                                        "trained model; the default when --preset is not given either)")
+    source.add_argument("--model", help="a local pipeline folder (model_index.json), 'shapes' (the shipped "
+                                        "trained model; the default when --preset is not given either) or "
+                                        "'shapes-sd3' (the same task on SD3's MMDiT)")
     source.add_argument("--preset", "--arch", dest="preset", choices=available_presets(), metavar="PRESET",
                         default=None, help="a model layout with random weights, listed below (--arch is an alias; "
                                            "default: none, the shipped shapes model runs)")
@@ -276,8 +278,8 @@ def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
     source.add_argument("--preset", "--arch", dest="preset", choices=available_presets(), metavar="PRESET",
                         default=DEFAULT_PRESET,
                         help="model layout with random weights, listed below (--arch is an alias)")
-    source.add_argument("--model", help="a local pipeline folder instead of --preset, or 'shapes' (the shipped "
-                                        "trained 64x64 model)")
+    source.add_argument("--model", help="a local pipeline folder instead of --preset, or 'shapes' / 'shapes-sd3' "
+                                        "(the shipped trained 64x64 models)")
     bench.add_argument("--resolutions", type=_resolution, nargs="+", default=None,
                        help="image sizes in pixels (default: the preset's, listed below)")
     bench.add_argument("--batch-sizes", type=_positive_int, nargs="+", default=None,

@@ -58,6 +58,7 @@ __all__ = [
     "default_resolution",
     "estimate_attention_bytes",
     "folder_layout",
+    "folder_resolution",
     "load_local_pipeline",
     "load_preset",
     "make_scheduler",
@@ -114,20 +115,39 @@ def preset_layout(name: str) -> UNetShape:
     return config["unet"], 2 ** (len(config["vae"]["block_out_channels"]) - 1)
 
 
+def _read_config(folder: str, component: str) -> dict[str, Any] | None:
+    """``component/config.json`` of a pipeline folder as a dict, or ``None`` when it is missing or unreadable."""
+    try:
+        with open(os.path.join(folder, component, "config.json"), encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return config if isinstance(config, dict) else None
+
+
+def _vae_scale(folder: str) -> int:
+    """The VAE's scale factor of a pipeline folder (8 when its config does not say)."""
+    try:
+        return 2 ** (len((_read_config(folder, "vae") or {})["block_out_channels"]) - 1)
+    except (KeyError, TypeError):
+        return 8
+
+
 def folder_layout(folder: str) -> UNetShape | None:
     """The UNet config and VAE scale factor of a local pipeline folder (read from ``unet/config.json`` and
     ``vae/config.json``, nothing loaded), or ``None`` when the folder has no UNet (a DiT, for example)."""
-    try:
-        with open(os.path.join(folder, "unet", "config.json"), encoding="utf-8") as f:
-            unet = json.load(f)
-    except (OSError, ValueError):
-        return None
-    try:
-        with open(os.path.join(folder, "vae", "config.json"), encoding="utf-8") as f:
-            scale = 2 ** (len(json.load(f)["block_out_channels"]) - 1)
-    except (OSError, ValueError, KeyError, TypeError):
-        scale = 8
-    return unet, scale
+    unet = _read_config(folder, "unet")
+    return None if unet is None else (unet, _vae_scale(folder))
+
+
+def folder_resolution(folder: str) -> int | None:
+    """The image side in pixels that a local pipeline folder's denoiser was built for: its UNet's or transformer's
+    ``sample_size`` times the VAE's scale factor (``None`` when neither config gives one)."""
+    for component in ("unet", "transformer"):
+        sample = (_read_config(folder, component) or {}).get("sample_size")
+        if isinstance(sample, int):
+            return sample * _vae_scale(folder)
+    return None
 
 
 def _attention_levels(unet: dict[str, Any], resolution: int, vae_scale: int) -> list[tuple[int, int]]:
@@ -282,7 +302,9 @@ def load_local_pipeline(folder: str, dtype: str = "float32", scheduler: str | No
 
     A component saved as absent (``[null, null]`` in ``model_index.json``) is passed as ``None``: ppdiffusers 0.29
     refuses to load a pipeline with a missing component that its class does not list as optional, which is how an
-    SD3 pipeline saved without its T5 encoder (``text_encoder_3=None``) is written."""
+    SD3 pipeline saved without its T5 encoder (``text_encoder_3=None``) is written. An SD3 pipeline loaded where
+    ppdiffusers found no GPU attention function (a CPU) gets :func:`ppdiffusers_tome.sd3_attention.use_math_attention`,
+    so that it runs."""
     paddle, ppdiffusers, _ = _libs()
     index_path = os.path.join(folder, "model_index.json")
     if not os.path.isfile(index_path):
@@ -307,5 +329,10 @@ def load_local_pipeline(folder: str, dtype: str = "float32", scheduler: str | No
             ppdiffusers_logging.enable_progress_bar()
     if scheduler is not None:
         pipe.scheduler = make_scheduler(scheduler)
+    if getattr(paddle.nn.functional, "scaled_dot_product_attention_", None) is None:
+        from ..sd3_attention import joint_attention_layers, use_math_attention
+
+        if joint_attention_layers(pipe):  # SD3 on a device without ppdiffusers' attention function (a CPU)
+            use_math_attention(pipe)
     pipe.set_progress_bar_config(disable=True)
     return pipe

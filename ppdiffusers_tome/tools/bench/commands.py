@@ -34,6 +34,7 @@ from .calibrate import as_dict as calibration_dict, calibrate, format_calibratio
 from .demo import (
     DEMO_LEGEND,
     SHAPES_CAPTION,
+    SHAPES_SD3_CAPTION,
     demo_grid,
     demo_label,
     demo_rows,
@@ -64,7 +65,8 @@ logger = logging.getLogger(__name__)
 
 
 # shared set-up ---------------------------------------------------------------------------------------------------
-SHAPES_MODEL = "shapes"  # --model shapes: the trained model shipped in the package
+SHAPES_MODEL = "shapes"  # --model shapes: the trained UNet model shipped in the package
+SHAPES_SD3_MODEL = "shapes-sd3"  # --model shapes-sd3: the same task on SD3's MMDiT, shipped too
 NOTHING_SAVED = "nothing had been measured yet, so nothing was saved"
 
 
@@ -88,26 +90,30 @@ def interrupted_saying(saved: Callable[[], str]) -> Iterator[None]:
         raise Interrupted(saved()) from None
 
 
-def resolve_model(args: argparse.Namespace) -> bool:
-    """Put the shipped shapes model's folder in ``args.model`` when it is asked for (``--model shapes``, unless a
-    folder of that name exists) or, for ``demo``, when neither ``--model`` nor ``--preset`` is given; then fill the
-    demo's unset ``--prompt``, ``--steps`` and ``--guidance-scale`` for the model that runs. Returns whether it is
-    the shapes model."""
+def resolve_model(args: argparse.Namespace) -> str:
+    """Put a shipped model's folder in ``args.model`` when it is asked for (``--model shapes`` or ``--model
+    shapes-sd3``, unless a folder of that name exists) or, for ``demo``, the shapes UNet model when neither
+    ``--model`` nor ``--preset`` is given; then fill the demo's unset ``--prompt``, ``--steps`` and
+    ``--guidance-scale`` for the model that runs. Returns the shipped model's name (``""``: not a shipped model)."""
     from .. import shapes as shipped
 
     demo = getattr(args, "command", None) == "demo"
-    wanted = args.model == SHAPES_MODEL and not os.path.isdir(SHAPES_MODEL)
-    wanted = wanted or (demo and not args.model and not args.preset)
+    wanted = args.model if args.model in (SHAPES_MODEL, SHAPES_SD3_MODEL) and not os.path.isdir(args.model) else ""
+    if not wanted and demo and not args.model and not args.preset:
+        wanted = SHAPES_MODEL
     if wanted:
-        if not shipped.has_weights():
-            raise ValueError(f"--model shapes: the trained weights are missing from {shipped.MODEL_DIR} (a partial "
-                             "install?); name a --preset or a --model folder")
-        args.model = shipped.pipeline_folder()
+        sd3 = wanted == SHAPES_SD3_MODEL
+        if not (shipped.has_sd3_weights() if sd3 else shipped.has_weights()):
+            raise ValueError(f"--model {wanted}: the trained weights are missing from "
+                             f"{shipped.SD3_MODEL_DIR if sd3 else shipped.MODEL_DIR} (a partial install?); name a "
+                             "--preset or a --model folder")
+        args.model = shipped.sd3_pipeline_folder() if sd3 else shipped.pipeline_folder()
     if demo:
+        sd3 = wanted == SHAPES_SD3_MODEL
         args.prompt = args.prompt or (shipped.DEMO_PROMPT if wanted else BenchSettings.prompt)
-        args.steps = args.steps or (shipped.DEMO_STEPS if wanted else 8)
+        args.steps = args.steps or ((shipped.SD3_DEMO_STEPS if sd3 else shipped.DEMO_STEPS) if wanted else 8)
         if args.guidance_scale is None and wanted:
-            args.guidance_scale = shipped.DEMO_GUIDANCE
+            args.guidance_scale = shipped.SD3_DEMO_GUIDANCE if sd3 else shipped.DEMO_GUIDANCE
     return wanted
 
 
@@ -123,10 +129,7 @@ def model_layout(args: argparse.Namespace) -> tuple[Any, int, str]:
     """``(layout, default resolution, label)`` of the model a demo or bench run will build, read from the preset's
     config or the folder's ``unet/config.json`` without building anything (layout ``None``: not a UNet)."""
     if args.model:
-        layout = presets.folder_layout(args.model)
-        sample = layout[0].get("sample_size") if layout else None
-        default = sample * layout[1] if isinstance(sample, int) else 512
-        return layout, default, f"model {args.model}"
+        return presets.folder_layout(args.model), presets.folder_resolution(args.model) or 512, f"model {args.model}"
     return presets.preset_layout(args.preset), presets.default_resolution(args.preset), f"preset {args.preset!r}"
 
 
@@ -159,8 +162,7 @@ def prepare(args: argparse.Namespace, dtype: str, resolutions: Sequence[int], im
     if args.model:
         logger.info("loading the pipeline in %s ...", args.model)
         pipe, source = presets.load_local_pipeline(args.model, dtype=dtype), os.path.abspath(args.model)
-        if source == os.path.abspath(_shipped_folder()):
-            source = "shapes model (trained, shipped in the package)"
+        source = _shipped_name(source)
     else:
         logger.info("building preset %s with random weights (its images are noise) ...", args.preset)
         pipe = presets.preset_pipeline(args.preset, seed=args.seed, dtype=dtype)
@@ -168,10 +170,13 @@ def prepare(args: argparse.Namespace, dtype: str, resolutions: Sequence[int], im
     return Prepared(pipe, source, threads)
 
 
-def _shipped_folder() -> str:
-    from ..shapes import pipeline_folder
+def _shipped_name(source: str) -> str:
+    """How a run names the folder it loaded: a shipped model by what it is, any other folder by its path."""
+    from ..shapes import pipeline_folder, sd3_pipeline_folder
 
-    return pipeline_folder()
+    names = {os.path.abspath(pipeline_folder()): "shapes model (trained, shipped in the package)",
+             os.path.abspath(sd3_pipeline_folder()): "SD3 shapes model (trained, shipped in the package)"}
+    return names.get(source, source)
 
 
 @contextlib.contextmanager
@@ -206,7 +211,12 @@ def measure_demo(prepared: Prepared, args: argparse.Namespace, size: int,
                              repeats=args.repeats, warmup=0, max_downsample=args.max_downsample, seed=args.seed,
                              prompt=args.prompt, guidance_scale=args.guidance_scale, count_ops=False)
     methods = [Method("vanilla")] + [Method("tome", float(r)) for r in args.ratios]
+    transformer = getattr(pipe, "transformer", None) is not None
+    if transformer:  # an MMDiT / DiT: ToDo (SD3's choice on a GPU at mid sizes) and the step cache alone too
+        methods.append(Method("todo"))
     if getattr(args, "cache", 0):  # the step cache with the largest ratio: merging takes the finest level, the cache the rest
+        if transformer:
+            methods.append(Method("cache", cache={"interval": args.cache}))
         methods.append(Method("tome", float(max(args.ratios)), cache={"interval": args.cache}))
 
     def bar(method: Method, repeat: int):
@@ -249,7 +259,8 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
     def write(rows, images, timed_runs):
         nonlocal saved
         data = demo_record(args, prepared, size, rows, png, timed_runs)
-        save_png(demo_grid(rows, images, SHAPES_CAPTION if shapes else ""), png)
+        save_png(demo_grid(rows, images, SHAPES_CAPTION if shapes == SHAPES_MODEL else
+                           SHAPES_SD3_CAPTION if shapes else ""), png)
         save_json(data, path)  # (PSNR of vanilla is inf: written as the string "inf", keeping the file valid JSON)
         saved = (f"saved {timed_runs} of {args.repeats} timed runs per method (the rounds finished) in {png} and "
                  f"{path}")
@@ -262,7 +273,8 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
     env = data["environment"]
     warning = "".join(text + "\n" for text in notes)
     if shapes:
-        about = (f"The shapes model is small: at {size}x{size} px its finest attention holds {(size // 2) ** 2} tokens, "
+        tokens = (size // 4) ** 2 if shapes == SHAPES_SD3_MODEL else (size // 2) ** 2
+        about = (f"The shapes model is small: at {size}x{size} px its finest attention holds {tokens} tokens, "
                  "where merging saves little time. It is here for the images (their colours and flat regions; see "
                  "the caption of the PNG); for speed, run the demo with --preset sd15-narrow, or bench.\n")
     else:

@@ -29,12 +29,15 @@ DEMO_LEGEND = (
 
 
 def demo_label(method: str, ratio: float, cache: int | None = None) -> str:
-    """``"vanilla"``, ``"ToMe 0.50"`` or ``"ToMe 0.50 + cache 3"``: how the demo names a row.
+    """``"vanilla"``, ``"ToMe 0.50"``, ``"ToDo"``, ``"cache 3"`` or ``"ToMe 0.50 + cache 3"``: how the demo names a
+    row.
 
-    >>> demo_label("tome", 0.5), demo_label("tome", 0.5, 3)
-    ('ToMe 0.50', 'ToMe 0.50 + cache 3')
+    >>> demo_label("tome", 0.5), demo_label("tome", 0.5, 3), demo_label("cache", 0.0, 3), demo_label("todo", 0.0)
+    ('ToMe 0.50', 'ToMe 0.50 + cache 3', 'cache 3', 'ToDo')
     """
-    label = "vanilla" if method == "vanilla" else f"ToMe {ratio:.2f}"
+    if method == "cache":
+        return f"cache {cache}"
+    label = {"vanilla": "vanilla", "todo": "ToDo"}.get(method, f"ToMe {ratio:.2f}")
     return label if cache is None else f"{label} + cache {cache}"
 
 
@@ -106,6 +109,13 @@ def single_run_note(rows: Sequence[dict[str, Any]], repeats: int = 1) -> str | N
             f"look slower than vanilla), so the speed-up column reads '{NOT_MEASURED}' instead of a number. {measure}")
 
 
+def _method_cell(row: dict[str, Any]) -> str:
+    """The table's method column: ``tome``, ``todo``, ``cache 3``, ``tome + cache 3``."""
+    if row.get("cache") is None:
+        return row["method"]
+    return f"cache {row['cache']}" if row["method"] == "cache" else f"{row['method']} + cache {row['cache']}"
+
+
 def format_demo_table(rows: list[dict[str, Any]]) -> str:
     """The demo's table: one row per method with time, speed-up, memory and difference to vanilla."""
     header = ["method", "ratio", "s/image", "UNet s/call", "speed-up", "peak MiB", "added MiB", "max |diff|", "PSNR dB"]
@@ -113,7 +123,7 @@ def format_demo_table(rows: list[dict[str, Any]]) -> str:
     for row in rows:
         lines.append(
             [
-                row["method"] if row.get("cache") is None else f"{row['method']} + cache {row['cache']}",
+                _method_cell(row),
                 f"{row['ratio']:.2f}",
                 f"{row['seconds_per_image']:.2f}",
                 f"{row['unet_seconds']:.3f}",
@@ -131,6 +141,8 @@ DIFF_GAIN = 4.0  # the difference panel shows |ToMe - vanilla| x 4: white is a d
 SHAPES_CAPTION = ("What the shapes model can show: it draws the background colour a caption names and, most of the "
                   "time, the shape's colour; it does not draw a shape's outline or position reliably. Compare colours "
                   "and flat regions, not shapes.")
+SHAPES_SD3_CAPTION = ("The SD3 shapes model (six MMDiT blocks, 256 image tokens) on the same task: compare colours and "
+                      "flat regions; its scores are in docs/benchmarks.md.")
 
 
 def image_grid(tiles: Sequence[np.ndarray], labels: Sequence[str]) -> Image.Image:

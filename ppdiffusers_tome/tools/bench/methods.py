@@ -13,6 +13,7 @@ import paddle
 
 from ... import api
 from ...cache.step_cache import CONFIG_FIELDS as CACHE_FIELDS, CacheConfig, apply_cache, remove_cache
+from ...sd3_attention import joint_attention_layers
 from ...tome.config import ToMeConfig
 from ...tome.patch import ModelPatch
 from ...tome.planner import Planner
@@ -282,7 +283,7 @@ def set_efficient_attention(pipe, enabled: bool) -> None:
                 raise NotSupported("efficient attention unavailable: this PaddlePaddle is a CPU build, and Paddle's "
                                    "memory-efficient attention needs a GPU build (paddlepaddle-gpu)") from error
             raise NotSupported(f"efficient attention unavailable: {str(error).splitlines()[0][:120]}") from error
-    else:
+    elif not joint_attention_layers(pipe):  # (on SD3 it would put a one-stream processor on the joint layers)
         try:
             pipe.disable_xformers_memory_efficient_attention()
         except Exception:  # pragma: no cover - pipelines without attention processors

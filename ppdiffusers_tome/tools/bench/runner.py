@@ -76,10 +76,16 @@ class RunOutputs:
     images: np.ndarray | None = None
 
 
+def denoiser(pipe):
+    """The model a pipeline calls once per step: its ``unet``, or its ``transformer`` (SD3, DiT, PixArt)."""
+    unet = getattr(pipe, "unet", None)
+    return unet if unet is not None else pipe.transformer
+
+
 def attention_processor(pipe) -> str:
     """The attention processor of the UNet's first transformer block (with its ``attention_op`` when it has one),
     e.g. ``"XFormersAttnProcessor(op=None)"`` on a GPU build, ``"AttnProcessor"`` on CPU."""
-    blocks = find_blocks(pipe.unet)
+    blocks = find_blocks(denoiser(pipe))
     processor = getattr(getattr(blocks[0][1], "attn1", None), "processor", None) if blocks else None
     if processor is None:
         return ""
@@ -125,8 +131,8 @@ class Runner:
         before = self._plan_counts()
         inputs = self._inputs(size, batch) if s.unet_only else None  # built outside the timed window
         call = None if s.unet_only else pipeline_kwargs(pipe, size, batch, s.steps, s.seed, s.prompt, s.guidance_scale)
-        timer = ForwardTimer(pipe.unet, synchronize=device.synchronize)
-        handle = pipe.unet.register_forward_post_hook(capture)
+        timer = ForwardTimer(denoiser(pipe), synchronize=device.synchronize)
+        handle = denoiser(pipe).register_forward_post_hook(capture)
         try:
             with device.memory() as mem:
                 device.synchronize()
