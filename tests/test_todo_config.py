@@ -97,8 +97,8 @@ def test_the_policys_pooling_is_todos_plan_at_its_defaults():
     todo = Settings(ToDoConfig(policy="tomesd"), unet, find_blocks(unet))
     downsampled = decide_block(todo, 256, 2, grid_of(todo, (16, 16), 256), 1, "gpu", 0.5)
     assert (pooled.action, downsampled.action) == (Action.POOL, Action.TODO)
-    assert pooled.downsample is DEFAULT_TODO and downsampled.downsample == ToDoConfig(policy="tomesd")
-    assert (DEFAULT_TODO.factor, DEFAULT_TODO.mode) == (downsampled.downsample.factor, downsampled.downsample.mode)
+    assert pooled.downsample == downsampled.downsample == (DEFAULT_TODO.factor, DEFAULT_TODO.mode) == (2, "nearest")
+    assert Settings(ToDoConfig(factor=4, mode="average"), unet, find_blocks(unet)).downsample == (4, "average")
     # and the same plan runs: the pooled UNet's output is ToDo's at its defaults
     sample, timestep, context = unet_inputs(unet, batch=2)
     outputs = []

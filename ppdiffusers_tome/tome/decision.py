@@ -27,7 +27,11 @@ from .policy import Policy
 from .state import ToMeStaticGraphError
 from .todo import DEFAULT_TODO, ToDoConfig, technique_config
 
-__all__ = ["Action", "BlockDecision", "Settings", "decide_block", "finest_block_level", "patch_size_of"]
+__all__ = ["Action", "BlockDecision", "POOLING", "Settings", "decide_block", "finest_block_level", "patch_size_of"]
+
+# the policy's K/V pooling: ToDo's plan at its defaults, as the (factor, mode) a decision carries (plain values: a
+# decision is made inside a traced forward, where Paddle's SOT tracer cannot rebuild a frozen dataclass held in it)
+POOLING = (DEFAULT_TODO.factor, DEFAULT_TODO.mode)
 
 # the rules that decide, in the order they are asked
 REASONS = ("nothing", "no_grid", "level", "min_tokens", "policy", "todo", "no_cell", "ratio0", "rounds", "merge")
@@ -111,6 +115,7 @@ class Settings:
         if self.auto_level and self.patch_size is None:
             self.auto_finest = finest_block_level(model, blocks)
         self.min_tokens = config.min_tokens
+        self.downsample = None if self.todo is None else (self.todo.factor, self.todo.mode)  # ToDo's (factor, mode)
         self.sx, self.sy = tome.sx, tome.sy
         self.match_window = tome.match_window
         self.policy = Policy(config, joint=self.joint, joint_pools=joint_pools)
@@ -123,13 +128,15 @@ class BlockDecision:
     ``level`` and ``grid`` (when known), the policy's choice (when asked); ``reason`` names the rule that decided
     (one of :data:`REASONS`) and ``why`` says it in words; ``shared``: a merge whose plan is made once per call and
     token count (the policy's choice, from ``share_plan``); ``downsample``: for ``"pool"`` and ``"todo"``, the
-    :class:`~ppdiffusers_tome.tome.todo.ToDoConfig` whose plan runs (ToDo's defaults for the pooling)."""
+    ``(factor, mode)`` of the :class:`~ppdiffusers_tome.tome.todo.ToDoConfig` whose plan runs (:data:`POOLING`,
+    ToDo's defaults, for the pooling)."""
 
     __slots__ = ("action", "reason", "level", "grid_h", "grid_w", "ratio", "policy", "why", "tokens", "shared",
                  "downsample")
 
     def __init__(self, action: str, reason: str, why: str, grid: Optional[Tuple[int, int, int]] = None,
-                 ratio: float = 0.0, policy: Any = None, tokens: int = 0, downsample: Optional[ToDoConfig] = None):
+                 ratio: float = 0.0, policy: Any = None, tokens: int = 0,
+                 downsample: Optional[Tuple[int, str]] = None):
         self.action, self.reason, self.why, self.ratio, self.policy = action, reason, why, ratio, policy
         self.level, self.grid_h, self.grid_w = grid if grid is not None else (None, 0, 0)
         self.tokens = tokens  # with reason "rounds": the tokens the ratio is applied to (a block's or a window's)
@@ -175,10 +182,10 @@ def decide_block(settings: Settings, tokens: int, batch: int, grid: Optional[Tup
     if policy.action == Action.SKIP:
         return BlockDecision(Action.SKIP, "policy", policy.why(), grid, policy=policy)
     if policy.action == Action.POOL:  # ToDo's plan at its defaults
-        return BlockDecision(Action.POOL, "policy", policy.why(), grid, policy=policy, downsample=DEFAULT_TODO)
-    todo = settings.todo
+        return BlockDecision(Action.POOL, "policy", policy.why(), grid, policy=policy, downsample=POOLING)
+    todo = settings.downsample
     if todo is not None:
-        return BlockDecision(Action.TODO, "todo", f"ToDo: keys and values downsampled by {todo.factor}", grid,
+        return BlockDecision(Action.TODO, "todo", f"ToDo: keys and values downsampled by {todo[0]}", grid,
                              policy=policy, downsample=todo)
     nothing = _nothing_to_merge(settings, tokens, grid, ratio, policy)
     if nothing is not None:

@@ -2,8 +2,8 @@
 does.
 
 K/V pooling and ToDo get a :class:`~ppdiffusers_tome.ops.downsample.DownsamplePlan` (one plan builder for both: the
-decision names the :class:`~ppdiffusers_tome.tome.todo.ToDoConfig` whose factor and mode it uses, ToDo's defaults for
-the pooling). A merge gets, in this order: the plan an earlier block of the same call made at the
+decision carries the factor and mode of the :class:`~ppdiffusers_tome.tome.todo.ToDoConfig` it runs, ToDo's
+defaults for the pooling). A merge gets, in this order: the plan an earlier block of the same call made at the
 same token count (when the decision says the plan is shared: ``share_plan="level"``, or SD3's joint blocks on GPU
 kernels with ``share_plan="auto"``), the plan kept from an earlier step for this block and call site
 (``recompute_every``), or a new plan: matching inside windows (``match_window``) or over the whole grid. The random
@@ -54,10 +54,10 @@ class Planner:
         """``(plan, where it came from)`` for a block call that ``decision`` says merges, pools or downsamples:
         :data:`COMPUTED`, :data:`REUSED` or :data:`SHARED` for a merge plan, None for a downsampling plan; ``(None,
         None)`` when there is nothing to plan."""
-        todo = decision.downsample  # pooling and ToDo: ToDo's plan, at its defaults for the pooling
+        todo = decision.downsample  # pooling and ToDo: ToDo's (factor, mode), its defaults for the pooling
         if todo is not None:
-            return DownsamplePlan(hidden.shape[1], hidden.shape[0], decision.grid_h, decision.grid_w, todo.factor,
-                                  todo.mode), None
+            return DownsamplePlan(hidden.shape[1], hidden.shape[0], decision.grid_h, decision.grid_w, todo[0],
+                                  todo[1]), None
         if decision.action != Action.MERGE:
             return None, None
         tokens = hidden.shape[1]
