@@ -136,3 +136,18 @@ def test_one_set_of_action_constants_and_the_old_names_warn_and_point_to_it():
     from ppdiffusers_tome.tome import policy
 
     assert not {"MERGE", "POOL", "SKIP"} & set(vars(policy))  # the policy's own copy is gone
+
+
+def test_the_remove_method_resolves_its_models_once_and_returns_them(monkeypatch):
+    """``pipe.remove_tome(only_return_self=False)`` (the signature of ppdiffusers' built-in method) returns the models
+    it took ToMe off, resolved once."""
+    import ppdiffusers_tome.api as api
+    from ppdiffusers_tome.testing import tiny_controlnet_pipeline
+
+    pipe = tiny_controlnet_pipeline().apply_tome(ratio=0.5)
+    resolved = []
+    real = api._targets
+    monkeypatch.setattr(api, "_targets", lambda *args, **kwargs: resolved.append(kwargs["what"]) or real(*args, **kwargs))
+    same, models = pipe.remove_tome(only_return_self=False)
+    assert same is pipe and models == [pipe.unet, pipe.controlnet] and resolved == ["remove_tome"]
+    assert ppdiffusers_tome.tome_config(pipe) is None
