@@ -48,6 +48,7 @@ def _cli_help_only(argv: _Optional[_Sequence[str]] = None, orig_argv: _Optional[
 _LAZY = {
     "apply_tome": "api", "install_methods": "api", "remove_tome": "api", "reset_tome": "api", "tome_config": "api",
     "tome_status": "api", "tome_stats": "api", "uninstall_methods": "api", "ToMeConfig": "tome.config",
+    "apply_todo": "api", "remove_todo": "api", "ToDoConfig": "tome.todo",
     "DownsamplePlan": "ops.downsample", "MergePlan": "ops.global_plan",
     "bipartite_soft_matching_random2d": "ops.global_plan", "cache_info": "ops.cache", "clear_cache": "ops.cache",
     "clear_table_cache": "ops.cache", "table_cache_info": "ops.cache",
@@ -79,8 +80,10 @@ if not _cli_help_only():
     _quiet_import.__enter__()
     _ignore_import_warnings()
     from .api import (
+        apply_todo,
         apply_tome,
         install_methods,
+        remove_todo,
         remove_tome,
         reset_tome,
         tome_config,
@@ -94,6 +97,7 @@ if not _cli_help_only():
     from .ops.downsample import DownsamplePlan, downsample_tokens
     from .ops.global_plan import MergePlan, bipartite_soft_matching_random2d
     from .tome.config import ToMeConfig
+    from .tome.todo import ToDoConfig
 
     _quiet_import.__exit__(None, None, None)
 
@@ -101,11 +105,14 @@ if not _cli_help_only():
 
 __all__ = [
     "ToMeConfig",
+    "ToDoConfig",
     "MergePlan",
     "DownsamplePlan",
     "downsample_tokens",
     "apply_tome",
     "remove_tome",
+    "apply_todo",
+    "remove_todo",
     "reset_tome",
     "tome_config",
     "tome_status",

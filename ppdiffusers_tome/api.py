@@ -1,5 +1,6 @@
-"""Public surface: ``apply_tome`` / ``remove_tome`` for pipelines, UNets and ControlNets, and the methods that
-``import ppdiffusers_tome`` puts on ppdiffusers' ``DiffusionPipeline`` and ``ModelMixin``."""
+"""Public surface: ``apply_tome`` / ``remove_tome`` (and ToDo's ``apply_todo`` / ``remove_todo``) for pipelines,
+UNets and ControlNets, and the methods that ``import ppdiffusers_tome`` puts on ppdiffusers' ``DiffusionPipeline`` and
+``ModelMixin``."""
 
 from __future__ import annotations
 
@@ -26,12 +27,15 @@ from .core.targets import (
 )
 from .tome.config import ToMeConfig
 from .tome.patch import PATCH_LOCK, ModelPatch, find_blocks, get_patch
+from .tome.todo import ToDoConfig
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "apply_todo",
     "apply_tome",
     "remove_builtin_tome",
+    "remove_todo",
     "remove_tome",
     "reset_tome",
     "tome_config",
@@ -216,11 +220,37 @@ def apply_tome(obj: Any, config: Optional[ToMeConfig] = None, **options: Any) ->
     return _apply_tome(obj, config, options, method=False)
 
 
-def _apply_tome(obj: Any, config: Any, options: Dict[str, Any], method: bool) -> Any:
-    """:func:`apply_tome` called as a function (``method=False``) or as the method ``obj.apply_tome`` (``True``):
-    the errors name the form the caller used."""
-    config = _config_from(config, options, obj, method)
-    targets = _targets(obj, for_apply=True, what="apply_tome")
+def apply_todo(obj: Any, config: Optional[ToDoConfig] = None, **options: Any) -> Any:
+    """Patch a pipeline, a UNet, a ControlNet (single or multi), a DiT / PixArt-alpha / SD3 transformer or a list of
+    them with ToDo (token downsampling: every query stays, the keys and values of self-attention come from the tokens
+    downsampled on their grid); returns ``obj``.
+
+    ``config`` is a :class:`~ppdiffusers_tome.tome.todo.ToDoConfig`, ``options`` its fields by name (``factor=2,
+    mode="nearest", ...``). ToDo runs on ToMe's per-block machinery and takes its place on a model: applying one
+    replaces the other, :func:`tome_status` and :func:`tome_stats` report it, :func:`remove_todo` (or
+    :func:`remove_tome`) takes it off. The same as 0.14's ``apply_tome(obj, method="todo", downsample_factor=...,
+    downsample_mode=...)``, which still works.
+
+    Example:
+        >>> import ppdiffusers_tome
+        >>> from ppdiffusers_tome.testing import tiny_unet
+        >>> unet = ppdiffusers_tome.apply_todo(tiny_unet(), factor=4)
+        >>> ppdiffusers_tome.tome_config(unet)
+        ToDoConfig(factor=4, mode='nearest', max_downsample='auto', min_tokens=0, policy='auto', min_work=None)
+        >>> unet = ppdiffusers_tome.remove_todo(unet)
+    """
+    return _install(obj, _config_from(config, options, obj, False, "apply_todo"), "apply_todo")
+
+
+def _apply_tome(obj: Any, config: Any, options: Dict[str, Any], method: bool, what: str = "apply_tome") -> Any:
+    """:func:`apply_tome` (``what="apply_todo"``: :func:`apply_todo`) called as a function (``method=False``) or as
+    the method ``obj.apply_tome`` (``True``): the errors name the form the caller used."""
+    return _install(obj, _config_from(config, options, obj, method, what), what)
+
+
+def _install(obj: Any, config: Any, what: str) -> Any:
+    """Install ``config`` (a ToMeConfig or a ToDoConfig) on every model of ``obj``; ``what``: the door called."""
+    targets = _targets(obj, for_apply=True, what=what)
     _warn_if_half_on_cpu(targets)
     with PATCH_LOCK:  # atomic: threads applying and removing at once leave one patch per model, or none
         _install_everywhere(targets, config, _train_timesteps(obj))
@@ -230,36 +260,45 @@ def _apply_tome(obj: Any, config: Any, options: Dict[str, Any], method: bool) ->
     return obj
 
 
-def _config_from(config: Any, options: Dict[str, Any], obj: Any, method: bool) -> ToMeConfig:
-    """The config of an ``apply_tome`` call on ``obj`` (the method form with ``method``): ``config`` (or the
-    defaults) with ``options`` put in; an unknown option or a ``config`` that is not a :class:`ToMeConfig` raises
-    ``ValueError`` naming it (a number there is taken for a ratio, and the hint writes the call in the caller's
-    form)."""
-    if config is not None and not isinstance(config, ToMeConfig):
-        meant = keyword_call(obj, "apply_tome", "ratio", config, method)
-        hint = f" (the ratio is a keyword: {meant})" if isinstance(config, (int, float)) else ""
-        raise ValueError(f"config must be None or a ToMeConfig; got {type(config).__name__} {config!r}{hint}")
-    unknown = sorted(set(options) - set(_FIELDS))
+# each door: its config class and the option a bare number given as ``config`` was probably meant for
+_DOORS = {"apply_tome": (ToMeConfig, "ratio"), "apply_todo": (ToDoConfig, "factor")}
+
+
+def _config_from(config: Any, options: Dict[str, Any], obj: Any, method: bool, what: str = "apply_tome") -> Any:
+    """The config of an ``apply_tome`` (``apply_todo``: ``what``) call on ``obj`` (the method form with ``method``):
+    ``config`` (or the defaults) with ``options`` put in; an unknown option or a ``config`` of another class raises
+    ``ValueError`` naming it (a number there is taken for a ratio or a factor, and the hint writes the call in the
+    caller's form)."""
+    cls, keyword = _DOORS[what]
+    if config is not None and not isinstance(config, cls):
+        meant = keyword_call(obj, what, keyword, config, method)
+        hint = f" (the {keyword} is a keyword: {meant})" if isinstance(config, (int, float)) else ""
+        raise ValueError(f"config must be None or a {cls.__name__}; got {type(config).__name__} {config!r}{hint}")
+    names = [field.name for field in dataclasses.fields(cls)]
+    unknown = sorted(set(options) - set(names))
     if unknown:
-        raise ValueError(f"apply_tome got unknown option(s) {', '.join(unknown)}; the options are the fields of "
-                         f"ToMeConfig: {', '.join(_FIELDS)}")
+        raise ValueError(f"{what} got unknown option(s) {', '.join(unknown)}; the options are the fields of "
+                         f"{cls.__name__}: {', '.join(names)}")
     if config is None:
-        return ToMeConfig(**options)
+        return cls(**options)
     return dataclasses.replace(config, **options) if options else config
 
 
-_FIELDS = tuple(field.name for field in dataclasses.fields(ToMeConfig))
-# what help(apply_tome) shows: every option by name with its default, after obj and config
-apply_tome.__signature__ = inspect.Signature(
-    [inspect.Parameter("obj", inspect.Parameter.POSITIONAL_OR_KEYWORD),
-     inspect.Parameter("config", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None)]
-    + [inspect.Parameter(field.name, inspect.Parameter.KEYWORD_ONLY, default=field.default,
-                         annotation=field.type) for field in dataclasses.fields(ToMeConfig)],
-    return_annotation=Any,
-)
+def _signature(cls: type) -> inspect.Signature:
+    """What help() shows for a door taking ``cls``: every option by name with its default, after obj and config."""
+    return inspect.Signature(
+        [inspect.Parameter("obj", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+         inspect.Parameter("config", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None)]
+        + [inspect.Parameter(field.name, inspect.Parameter.KEYWORD_ONLY, default=field.default,
+                             annotation=field.type) for field in dataclasses.fields(cls)],
+        return_annotation=Any,
+    )
 
 
-def _install_everywhere(targets: List[Tuple[str, paddle.nn.Layer]], config: ToMeConfig, train_timesteps: int) -> None:
+apply_tome.__signature__, apply_todo.__signature__ = _signature(ToMeConfig), _signature(ToDoConfig)
+
+
+def _install_everywhere(targets: List[Tuple[str, paddle.nn.Layer]], config: Any, train_timesteps: int) -> None:
     """Patch every target, or none: a failure half-way puts back what this package had applied before. (ppdiffusers'
     built-in port stays until every target is patched: our hooks do not depend on the block classes, so a failure
     leaves the built-in patch untouched.)"""
@@ -319,15 +358,32 @@ def remove_tome(obj: Any) -> Any:
         >>> ppdiffusers_tome.tome_config(unet) is None
         True
     """
-    targets = _targets(obj, for_apply=False, what="remove_tome")
+    _remove(obj, "remove_tome")
+    return obj
+
+
+def remove_todo(obj: Any) -> Any:
+    """Remove this package's ToDo (:func:`apply_todo`, or ``apply_tome(method="todo")``) from the models of ``obj``
+    that carry it (see :func:`apply_todo`'s example); a model carrying ToMe keeps it. Returns ``obj``."""
+    _remove(obj, "remove_todo", only=ToDoConfig)
+    return obj
+
+
+def _remove(obj: Any, what: str, only: Optional[type] = None) -> List[Tuple[str, paddle.nn.Layer]]:
+    """Take this package's patch (and ppdiffusers' built-in ToMe) off the models of ``obj`` (with ``only``: those
+    whose patch runs a config of that class); returns them as ``(name, model)``."""
+    targets = _targets(obj, for_apply=False, what=what)
     with PATCH_LOCK:  # atomic with respect to apply_tome/remove_tome in other threads
+        if only is not None:
+            targets = [(name, model) for name, model in targets
+                       if get_patch(model) is not None and isinstance(get_patch(model).runner.config, only)]
         for name, model in targets:
             patch = get_patch(model)
             if patch is not None:
                 patch.check_idle()
         for _, model in targets:
             _unpatch(model)
-    return obj
+    return targets
 
 
 def reset_tome(obj: Any) -> Any:
@@ -353,7 +409,8 @@ def reset_tome(obj: Any) -> Any:
 
 def tome_config(obj: Any) -> Optional[ToMeConfig]:
     """The :class:`ToMeConfig` this package applied to ``obj`` (a model, a pipeline, a MultiControlNet or a list of
-    models), or ``None`` when none of its models carries this package's ToMe.
+    models; the :class:`~ppdiffusers_tome.tome.todo.ToDoConfig` after :func:`apply_todo`), or ``None`` when none of
+    its models carries this package's ToMe.
 
     For a pipeline or a list it is the config its patched models share (``apply_tome`` on a pipeline gives each
     model the same one); models without ToMe are ignored. If the models carry different configs there is no single
@@ -475,10 +532,10 @@ def _apply_method(self, config=None, **options):
 
 def _remove_method(self, only_return_self: bool = True):
     # ``only_return_self`` keeps the signature of ppdiffusers' built-in method, whose apply_tome calls it
-    remove_tome(self)
+    targets = _remove(self, "remove_tome")
     if only_return_self:
         return self
-    return self, [model for _, model in _targets(self, for_apply=False, what="remove_tome")]
+    return self, [model for _, model in targets]
 
 
 _apply_method.__doc__ = apply_tome.__doc__
@@ -488,6 +545,18 @@ _apply_method.__signature__ = inspect.signature(apply_tome).replace(  # what hel
 )
 _remove_method.__doc__ = remove_tome.__doc__
 _apply_method.__name__, _remove_method.__name__ = "apply_tome", "remove_tome"
+
+
+def _apply_todo_method(self, config=None, **options):
+    return _apply_tome(self, config, options, method=True, what="apply_todo")
+
+
+def _remove_todo_method(self):
+    return remove_todo(self)
+
+
+_apply_todo_method.__doc__, _remove_todo_method.__doc__ = apply_todo.__doc__, remove_todo.__doc__
+_apply_todo_method.__name__, _remove_todo_method.__name__ = "apply_todo", "remove_todo"
 
 def _apply_cache_method(self, config=None, **options):
     return _apply_cache(self, config, options, method=True)
@@ -501,15 +570,16 @@ _apply_cache_method.__doc__, _remove_cache_method.__doc__ = apply_cache.__doc__,
 _apply_cache_method.__name__, _remove_cache_method.__name__ = "apply_cache", "remove_cache"
 
 _METHOD_OWNERS = (DiffusionPipeline, ModelMixin)
-_METHODS = (("apply_tome", _apply_method), ("remove_tome", _remove_method), ("apply_cache", _apply_cache_method),
+_METHODS = (("apply_tome", _apply_method), ("remove_tome", _remove_method), ("apply_todo", _apply_todo_method),
+            ("remove_todo", _remove_todo_method), ("apply_cache", _apply_cache_method),
             ("remove_cache", _remove_cache_method))
 _saved_methods: Dict[Tuple[type, str], Any] = {}
 
 
 def install_methods() -> None:
     """Make ``apply_tome``/``remove_tome`` methods of ``DiffusionPipeline`` and ``ModelMixin`` call this package
-    (taking precedence over ppdiffusers' built-in port), and add ``apply_cache``/``remove_cache``. Runs on
-    ``import ppdiffusers_tome``; idempotent."""
+    (taking precedence over ppdiffusers' built-in port), and add ``apply_todo``/``remove_todo`` and
+    ``apply_cache``/``remove_cache``. Runs on ``import ppdiffusers_tome``; idempotent."""
     for owner in _METHOD_OWNERS:
         for name, method in _METHODS:
             if (owner, name) not in _saved_methods:

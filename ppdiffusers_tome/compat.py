@@ -9,6 +9,10 @@ that hold their names now. Objects
 pickled by 0.14 load through the same paths. This module imports nothing of the package until an old path is asked
 for, and ``import ppdiffusers_tome`` installs it.
 
+Names renamed after 0.15.0 (one meaning per word: one set of action constants, :class:`~ppdiffusers_tome.tome.actions.
+Action`, and distinct names for what each function decides) are kept for one more release the same way, in
+:data:`RENAMED` (module attributes, through the module's ``__getattr__``) and :data:`RENAMED_METHODS`.
+
 >>> import warnings
 >>> from ppdiffusers_tome.tome import patch
 >>> with warnings.catch_warnings(record=True):  # a FutureWarning names the new path
@@ -28,7 +32,7 @@ import types
 import warnings
 from typing import Dict, Optional, Sequence, Tuple
 
-__all__ = ["MOVED", "FACADES", "install", "new_path"]
+__all__ = ["MOVED", "FACADES", "RENAMED", "RENAMED_METHODS", "install", "new_path", "renamed", "renamed_method"]
 
 # old module -> the module it is now
 MOVED: Dict[str, str] = {
@@ -54,6 +58,46 @@ FACADES: Dict[str, Tuple[str, ...]] = {
     "ppdiffusers_tome.merge": ("ppdiffusers_tome.ops",),
     "ppdiffusers_tome.joint_attention": ("ppdiffusers_tome.sd3_attention", "ppdiffusers_tome.tome.joint_attention"),
 }
+
+# module -> {old name: (module now holding it, its name there, dotted for an attribute of a class)}
+_DECISION, _ACTIONS = "ppdiffusers_tome.tome.decision", "ppdiffusers_tome.tome.actions"
+RENAMED: Dict[str, Dict[str, Tuple[str, str]]] = {
+    _DECISION: {"decide": (_DECISION, "decide_block"), "OFF": (_ACTIONS, "Action.OFF"),
+                "SKIPPED": (_ACTIONS, "Action.SKIP"), "POOLED": (_ACTIONS, "Action.POOL"),
+                "TODO": (_ACTIONS, "Action.TODO"), "MERGE": (_ACTIONS, "Action.MERGE")},
+}
+# (class, old method name) -> the method's name now
+RENAMED_METHODS: Dict[Tuple[str, str], str] = {("Policy", "decide"): "choose_plan",
+                                                ("Policy", "decide_shape"): "choose_plan_for"}
+_RENAMED_WHEN = "after ppdiffusers_tome 0.15.0; the old name works for one more release"
+
+
+def renamed(module: str, name: str) -> object:
+    """What the old name ``name`` of ``module`` is now (with a ``FutureWarning`` naming the new one), for the
+    module's ``__getattr__``; ``AttributeError`` for a name that was never there.
+
+    >>> import warnings
+    >>> with warnings.catch_warnings(record=True):
+    ...     warnings.simplefilter("always")
+    ...     renamed("ppdiffusers_tome.tome.decision", "SKIPPED")
+    'skip'
+    """
+    if name not in RENAMED.get(module, {}):
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
+    home, new = RENAMED[module][name]
+    warnings.warn(f"{module}.{name} is {home}.{new} {_RENAMED_WHEN}", FutureWarning, stacklevel=3)
+    value: object = importlib.import_module(home)
+    for part in new.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def renamed_method(obj: object, owner: str, old: str) -> object:
+    """``obj``'s method under its new name for the old name ``old`` of class ``owner`` (a ``FutureWarning`` names
+    the new one)."""
+    new = RENAMED_METHODS[(owner, old)]
+    warnings.warn(f"{owner}.{old} is {owner}.{new} {_RENAMED_WHEN}", FutureWarning, stacklevel=3)
+    return getattr(obj, new)
 
 
 def new_path(old: str) -> Optional[str]:

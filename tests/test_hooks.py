@@ -20,6 +20,7 @@ from ppdiffusers_tome.ops import DownsamplePlan, bipartite_soft_matching_random2
 from ppdiffusers_tome.testing import tiny_unet
 from ppdiffusers_tome.tome.hooks import BlockHook, SublayerHook
 from ppdiffusers_tome.tome.patch import find_blocks, get_patch
+from ppdiffusers_tome.tome.runner import CallRunner
 from ppdiffusers_tome.tome.state import Counters
 from tests.unet_calls import unet_inputs
 
@@ -104,6 +105,8 @@ class FakePatch:
         assert call is self.local.call
         self.planned += 1
         return self.plan
+
+    run_sublayer = CallRunner.run_sublayer  # (the runner's own: it runs the plan and writes the one counter)
 
 
 def tokens(shape, seed=0):
@@ -290,6 +293,31 @@ def test_todo_plans_pass_downsampled_keys_and_values_and_keep_every_query():
     patch, block, layer, _ = hooked_block(plan, self_attention=False)  # ToDo changes self-attention only
     block(x)
     assert layer.seen == [([2, 64, 5], None)] and patch.counters.merges == 0
+
+
+def test_the_sublayer_hook_runs_any_plan_kind_through_its_run_sublayer_method():
+    """No plan type is special to the hook: a plan of a kind it has never seen runs the sub-layer through its own
+    ``run_sublayer``, and the runner counts it; one that declines (``NotImplemented``) leaves the layer plain."""
+
+    class Scaling:  # neither a MergePlan nor a DownsamplePlan
+        is_identity, batch_size, num_tokens = False, 2, 64
+
+        def __init__(self, declines=False):
+            self.declines, self.calls = declines, []
+
+        def run_sublayer(self, sublayer, x, args, kwargs):
+            self.calls.append((sublayer.self_attention, list(x.shape)))
+            return NotImplemented if self.declines else sublayer.next(3 * x, *args[1:], **kwargs)
+
+    x = tokens([2, 64, 5])
+    plan = Scaling()
+    patch, block, layer, _ = hooked_block(plan)
+    np.testing.assert_allclose(block(x).numpy(), 6 * x.numpy(), rtol=1e-6)
+    assert plan.calls == [(True, [2, 64, 5])] and patch.counters.merges == 1
+    plan = Scaling(declines=True)
+    patch, block, layer, _ = hooked_block(plan, self_attention=False)
+    np.testing.assert_array_equal(block(x).numpy(), 2 * x.numpy())
+    assert plan.calls == [(False, [2, 64, 5])] and patch.counters.merges == 0
 
 
 @pytest.mark.parametrize("as_tuple", [False, True])

@@ -23,15 +23,15 @@ DOORS = {"__main__.py", "presets.py", "testing.py"}
 # modules whose code runs inside a patched forward, and so inside a traced one (paddle.jit.to_static): the registry's
 # hooked forward and the hooks of every technique (core/registry.py, core/calls.py and its step clock in
 # core/generation.py, tome/hooks.py, every module of cache/), what a ToMe block call runs
-# (tome/runner.py: begin_call, plan_block, end_call; tome/decision.py, tome/policy.py, tome/planner.py, tome/state.py,
-# tome/checkpoint.py), the step programs (cache/export.py), SD3's attention processor for the CPU (sd3_attention.py)
+# (tome/runner.py: begin_call, plan_block, run_sublayer, end_call; tome/decision.py, tome/policy.py, tome/planner.py,
+# tome/state.py, tome/checkpoint.py, the action constants of tome/actions.py and the ToDoConfig of tome/todo.py), the step programs (cache/export.py), SD3's attention processor for the CPU (sd3_attention.py)
 # and its ToMe/ToDo form (tome/joint_attention.py), and the merge core
 TRACED = sorted(str(p.relative_to(PACKAGE)) for p in (PACKAGE / "ops").glob("*.py")) + [
     "cache/adaptive.py", "cache/config.py", "cache/export.py", "cache/kept.py", "cache/layout.py", "cache/step_cache.py",
     "cache/whole_model.py", "core/calls.py", "core/generation.py",
-    "core/registry.py", "sd3_attention.py", "tome/checkpoint.py", "tome/decision.py", "tome/hooks.py",
-    "tome/joint_attention.py", "tome/patch.py", "tome/planner.py", "tome/policy.py", "tome/runner.py",
-    "tome/state.py"]
+    "core/registry.py", "sd3_attention.py", "tome/actions.py", "tome/checkpoint.py", "tome/decision.py",
+    "tome/hooks.py", "tome/joint_attention.py", "tome/patch.py", "tome/planner.py", "tome/policy.py", "tome/runner.py",
+    "tome/state.py", "tome/todo.py"]
 # functions of the traced modules that only run on the host, never inside a traced forward, with why
 HOST_ONLY = {
     ("tome/patch.py", "ModelPatch.__init__"),  # at apply_tome

@@ -120,6 +120,26 @@ def test_unet_output_equals_the_pinned_output(case, kind, pinned):
     np.testing.assert_array_equal(found, expected, err_msg=f"{case} on {kind} kernels changed its output")
 
 
+# ToDo's own door, apply_todo(factor, mode), and the translating alias apply_tome(method="todo") give the ToDo pins
+TODO_CASES = {"todo": dict(), "todo-average4": dict(factor=4, mode="average")}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("case", list(TODO_CASES))
+def test_apply_todo_gives_the_pinned_todo_outputs_bit_for_bit(case, kind, pinned):
+    import ppdiffusers_tome
+    from ppdiffusers_tome.testing import tiny_unet
+
+    options = dict(TODO_CASES[case], policy="tomesd") if kind == "gpu" else TODO_CASES[case]
+    unet = ppdiffusers_tome.apply_todo(tiny_unet(seed=0), **options)
+    sample, context = inputs(unet)
+    with kernels(kind), paddle.no_grad():
+        found = np.stack([unet(sample, paddle.to_tensor(t, dtype="int64"), context).sample.numpy() for t in TIMESTEPS])
+    assert ppdiffusers_tome.tome_stats(unet)["UNet2DConditionModel"]["merges"] > 0
+    np.testing.assert_array_equal(found, pinned[key(case, kind)])
+    np.testing.assert_array_equal(found, outputs_of(CASES[case], kind)[0])  # and the alias, in the same process
+
+
 def test_the_pinned_cases_differ_from_vanilla_and_from_each_other(pinned):
     """Each pin is a real ToMe output (not vanilla's), so a pin that stopped merging would be caught."""
     import ppdiffusers_tome  # noqa: F401

@@ -346,7 +346,7 @@ def decision_fields(decision):
 
 
 def test_decide_is_a_pure_function_of_its_inputs():
-    from ppdiffusers_tome.tome.decision import decide, grid_of
+    from ppdiffusers_tome.tome.decision import decide_block, grid_of
     from ppdiffusers_tome.tome.state import CallRecord
 
     unet = tiny_unet()
@@ -356,7 +356,7 @@ def test_decide_is_a_pure_function_of_its_inputs():
     before = (dict(vars(settings)), counters.as_dict(), dict(counters.decisions), settings.policy.warned)
     for kernels, batch in (("cpu", 2), ("gpu", 2), ("gpu", 16)):
         args = (settings, 256, batch, grid_of(settings, (16, 16), 256), 1, kernels, 0.5)
-        first, second = decide(*args), decide(*args)
+        first, second = decide_block(*args), decide_block(*args)
         assert decision_fields(first) == decision_fields(second)  # same inputs, an equal decision
     assert (dict(vars(settings)), counters.as_dict(), dict(counters.decisions), settings.policy.warned) == before
     assert (call.decisions, call.finest_level, call.merged_blocks, call.partitions) == ({}, None, 0, {})
@@ -364,14 +364,14 @@ def test_decide_is_a_pure_function_of_its_inputs():
 
 
 def test_every_reason_of_decide_is_reachable():
-    from ppdiffusers_tome.tome.decision import REASONS, Settings, decide, grid_of
+    from ppdiffusers_tome.tome.decision import REASONS, Settings, decide_block, grid_of
 
     unet = tiny_unet()
 
     def reason(tokens=256, batch=2, kernels="cpu", ratio=0.5, latent=(16, 16), **options):
         settings = Settings(ToMeConfig(**options), unet, find_blocks(unet))
         grid = grid_of(settings, latent, tokens)
-        return decide(settings, tokens, batch, grid, 1, kernels, ratio).reason
+        return decide_block(settings, tokens, batch, grid, 1, kernels, ratio).reason
 
     found = {
         reason(merge_attn=False): "nothing",
@@ -394,8 +394,8 @@ def test_a_blocks_decision_is_memoised_per_key_and_changes_with_the_ratio(monkey
     from ppdiffusers_tome.tome.planner import Planner
 
     decided, planned = [], []
-    real_decide, real_plan = patch_module.decide, Planner.plan
-    monkeypatch.setattr(patch_module, "decide", lambda *args: decided.append(real_decide(*args)) or decided[-1])
+    real_decide, real_plan = patch_module.decide_block, Planner.plan
+    monkeypatch.setattr(patch_module, "decide_block", lambda *args: decided.append(real_decide(*args)) or decided[-1])
     monkeypatch.setattr(Planner, "plan", lambda self, decision, *args: planned.append(decision) or
                         real_plan(self, decision, *args))
     unet = tiny_unet()

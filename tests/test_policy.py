@@ -190,7 +190,7 @@ def test_min_work_moves_the_threshold_on_any_kernels():
 def test_a_dynamic_batch_is_decided_with_the_assumed_batch():
     policy = Policy(ToMeConfig())
     hidden = paddle.static.InputSpec([None, 16384, 32], "float32")  # (shape [-1, ...], as while tracing)
-    decision = policy.decide(hidden, "gpu")
+    decision = policy.choose_plan(hidden, "gpu")
     assert decision.batch == -1 and decision.work == ASSUMED_BATCH * 16384 ** 2 and decision.action == "pool"
     assert "dynamic batch" in decision.why()
 

@@ -25,7 +25,7 @@ def test_the_stated_comparison_is_true_one_below_at_and_one_above_the_threshold(
     work = batch * tokens**2
     hidden = paddle.static.InputSpec([batch, tokens, 8], "float32")  # (only its shape is read)
     for min_work, operator in ((work + 1, "<"), (work, ">="), (work - 1, ">=")):
-        why = Policy(ToMeConfig(min_work=min_work)).decide(hidden, kernels).why()
+        why = Policy(ToMeConfig(min_work=min_work)).choose_plan(hidden, kernels).why()
         left, shown, right = stated(why)
         assert shown == operator, why
         assert (left, right) == (work, min_work), why  # every digit, so the two sides never print alike
@@ -33,5 +33,5 @@ def test_the_stated_comparison_is_true_one_below_at_and_one_above_the_threshold(
 
 
 def test_large_numbers_also_show_their_power_of_ten():
-    why = Policy(ToMeConfig()).decide(paddle.static.InputSpec([2, 4096, 8], "float32"), "gpu").why()
+    why = Policy(ToMeConfig()).choose_plan(paddle.static.InputSpec([2, 4096, 8], "float32"), "gpu").why()
     assert f"batch * tokens**2 = {2 * 4096**2} (3.36e+07) < min_work = {2**26} (6.71e+07)" in why

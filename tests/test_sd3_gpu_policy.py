@@ -143,8 +143,8 @@ def test_a_joint_layer_with_an_unknown_processor_keeps_tomes_plan_instead_of_dow
     model.transformer_blocks[1].attn.set_processor(OwnProcessor())
     ppdiffusers_tome.apply_tome(model)
     policy = get_patch(model).settings.policy
-    assert policy.decide_shape("gpu", 2, tokens_at(1024)).action == "merge"
-    assert policy.decide_shape("gpu", 2, tokens_at(768)).action == "skip"  # ToMe's threshold, 2**25
+    assert policy.choose_plan_for("gpu", 2, tokens_at(1024)).action == "merge"
+    assert policy.choose_plan_for("gpu", 2, tokens_at(768)).action == "skip"  # ToMe's threshold, 2**25
 
 
 # operators and transfers, counted in forwards at SD3's token counts -------------------------------------------------

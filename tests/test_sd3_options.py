@@ -12,7 +12,7 @@ import pytest
 import ppdiffusers_tome
 from ppdiffusers_tome.testing import gpu_kernels, tiny_sd3_transformer
 from ppdiffusers_tome.tome.config import ToMeConfig
-from ppdiffusers_tome.tome.decision import Settings, decide, grid_of
+from ppdiffusers_tome.tome.decision import Settings, decide_block, grid_of
 from ppdiffusers_tome.tome.patch import find_blocks, get_patch
 from ppdiffusers_tome.tome.policy import JOINT_MIN_WORK
 from tests.numpy_reference import reference_plan
@@ -167,7 +167,7 @@ def test_on_gpu_kernels_the_default_policy_skips_small_sd3_blocks_and_downsample
     settings = Settings(ToMeConfig(ratio=0.5), model, find_blocks(model))
     for tokens, latent_hw, action in ((2048, (128, 64), "pool"), (4096, (128, 128), "pool"),
                                       (1024, (64, 64), "skip")):
-        decision = decide(settings, tokens, 2, grid_of(settings, latent_hw, tokens), 1, "gpu", 0.5)
+        decision = decide_block(settings, tokens, 2, grid_of(settings, latent_hw, tokens), 1, "gpu", 0.5)
         assert decision.action == action, decision
         assert (2 * tokens ** 2 >= JOINT_MIN_WORK) == (action == "pool")
     with gpu_kernels():

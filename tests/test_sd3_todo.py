@@ -15,7 +15,7 @@ import ppdiffusers_tome.sd3_attention as joint_attention
 import ppdiffusers_tome.tome.joint_attention as todo_attention
 from ppdiffusers_tome.testing import gpu_kernels, tiny_sd3_pipeline, tiny_sd3_transformer
 from ppdiffusers_tome.tome.config import ToMeConfig
-from ppdiffusers_tome.tome.decision import Settings, decide, grid_of
+from ppdiffusers_tome.tome.decision import Settings, decide_block, grid_of
 from ppdiffusers_tome.tome.patch import find_blocks, get_patch
 from ppdiffusers_tome.tome.policy import JOINT_MIN_WORK
 from tests.test_sd3_model import linear64
@@ -222,10 +222,10 @@ def test_the_default_gpu_policy_skips_small_sd3_blocks_and_runs_todo_above_joint
     assert stats["blocks_skipped"] == 3 and stats["merges"] == 0 and stats["blocks_pooled"] == 0
     settings = Settings(ToMeConfig(method="todo"), model, find_blocks(model))
     for tokens, latent_hw, action in ((2048, (128, 64), "todo"), (1024, (64, 64), "skip")):
-        decision = decide(settings, tokens, 2, grid_of(settings, latent_hw, tokens), 1, "gpu", 0.5)
+        decision = decide_block(settings, tokens, 2, grid_of(settings, latent_hw, tokens), 1, "gpu", 0.5)
         assert decision.action == action, decision
         assert (2 * tokens ** 2 >= JOINT_MIN_WORK) == (action == "todo")
-    cpu = decide(settings, 64, 2, grid_of(settings, (16, 16), 64), 1, "cpu", 0.5)
+    cpu = decide_block(settings, 64, 2, grid_of(settings, (16, 16), 64), 1, "cpu", 0.5)
     assert cpu.action == "todo"  # CPU kernels: ToDo on every block
 
 

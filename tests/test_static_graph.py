@@ -315,7 +315,7 @@ def test_a_dynamic_token_count_is_refused_by_name_by_the_block_and_by_the_policy
                 patch.runner.plan_block(patch.hooked[0][0], hidden, call)
             assert idle.runner.plan_block(idle.hooked[0][0], hidden, call) is None  # ratio 0 plans nothing: no refusal
             with pytest.raises(ToMeStaticGraphError, match="policy decides from .* token count is dynamic"):
-                Policy(ToMeConfig()).decide(hidden, "gpu")
+                Policy(ToMeConfig()).choose_plan(hidden, "gpu")
     finally:
         paddle.disable_static()
     patch.remove()

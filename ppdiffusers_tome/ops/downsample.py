@@ -6,6 +6,8 @@ matched, so there is nothing to unmerge.
 
 from __future__ import annotations
 
+from typing import Any, Dict, Tuple
+
 import paddle
 
 from .runtime import compute_dtype, dtype_name
@@ -76,3 +78,16 @@ class DownsamplePlan:
     def keys_values(self, x: paddle.Tensor) -> paddle.Tensor:
         """The keys and values of self-attention: ``x`` downsampled on its grid."""
         return downsample_tokens(x, self.grid_h, self.grid_w, self.factor, self.mode)
+
+    def run_sublayer(self, sublayer: Any, x: paddle.Tensor, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        """Run a self-attention ``sublayer`` (a sub-layer hook: ``sublayer.next`` runs the layer) on its input ``x``
+        with every query and the keys and values from ``x`` downsampled; on a joint attention layer
+        (``sublayer.joint``: SD3) the text stream stays and the image keys and values are downsampled
+        (``sublayer.joint_attention``). ``NotImplemented`` for a layer that is not self-attention (its keys and
+        values are not ``x``'s): nothing ran."""
+        if sublayer.joint:
+            text = args[1] if len(args) > 1 else kwargs.get("encoder_hidden_states")
+            return sublayer.joint_attention(x, text, self.keys_values(x))
+        if not sublayer.self_attention or kwargs.get("encoder_hidden_states") is not None:
+            return NotImplemented  # not self-attention after all (only_cross_attention blocks)
+        return sublayer.next(*args, **dict(kwargs, encoder_hidden_states=self.keys_values(x)))

@@ -231,6 +231,19 @@ class MergePlan:
         out = paddle.gather(flat, self.unmerge_rows)
         return out.astype(y.dtype).reshape([-1, self.num_tokens, channels])
 
+    def run_sublayer(self, sublayer: Any, x: paddle.Tensor, args: tuple, kwargs: dict) -> Any:
+        """Run ``sublayer`` (a sub-layer hook: ``sublayer.next`` runs the layer, with ``x`` as ``args[0]`` or the
+        keyword ``hidden_states``) on ``x`` merged, and unmerge its output (the first item of a tuple output), so
+        the block around it sees ``[B, N, C]`` tensors: what tomesd does around ``attn1``, ``attn2`` and ``ff``."""
+        merged = self.merge(x)
+        if args:
+            output = sublayer.next(merged, *args[1:], **kwargs)
+        else:
+            output = sublayer.next(*args, **dict(kwargs, hidden_states=merged))
+        if isinstance(output, (tuple, list)):
+            return type(output)([self.unmerge(output[0]), *output[1:]])
+        return self.unmerge(output)
+
 
 class GroupMergePlan(MergePlan):
     """A global plan whose merge has no float atomics (``deterministic=True`` on GPU kernels): bit-identical run to

@@ -17,6 +17,11 @@ from ..ops.partition import max_ratio
 __all__ = [
     "ToMeConfig",
     "check_ratio",
+    "checked_downsample_factor",
+    "checked_downsample_mode",
+    "checked_max_downsample",
+    "checked_min_tokens",
+    "checked_policy",
     "is_int",
     "ALLOWED_MAX_DOWNSAMPLE",
     "METHODS",
@@ -112,6 +117,60 @@ def _checked_unused_ratio(value: Any, where: str) -> float:
     return float(value)
 
 
+def checked_max_downsample(value: Any) -> Union[int, str]:
+    """``value`` as ``"auto"`` or a plain int of :data:`ALLOWED_MAX_DOWNSAMPLE`, else a ``ValueError`` naming
+    ``max_downsample`` (ToMe's and ToDo's check)."""
+    if as_choice(value, ("auto",)) is not None:
+        return "auto"
+    if is_int(value) and value in ALLOWED_MAX_DOWNSAMPLE:
+        return int(value)
+    raise ValueError(f"max_downsample must be 'auto' or one of {ALLOWED_MAX_DOWNSAMPLE}; got {shown(value)}")
+
+
+def checked_min_tokens(value: Any, verb: str = "merge") -> int:
+    """``value`` as a plain int >= 0, else a ``ValueError`` naming ``min_tokens`` (``verb``: what the blocks at or
+    above it do)."""
+    if not is_int(value) or value < 0:
+        raise ValueError(f"min_tokens must be an integer >= 0 ({verb} only where batch * tokens reaches it); "
+                         f"got {shown(value)}")
+    return int(value)
+
+
+def checked_policy(policy: Any, min_work: Any, verb: str = "merge") -> Tuple[str, Optional[int]]:
+    """``(policy, min_work)`` as plain values if ``policy`` is one of :data:`POLICIES` and ``min_work`` None or an
+    integer >= 0 (and None with ``policy="tomesd"``), else a ``ValueError`` naming the argument."""
+    checked = as_choice(policy, POLICIES)
+    if checked is None:
+        raise ValueError(f"policy must be one of {POLICIES}; got {shown(policy)}")
+    if min_work is not None and (not is_int(min_work) or min_work < 0):
+        raise ValueError(
+            "min_work must be None (the policy's default: 2**26 or 2**28 on GPU kernels, 2**23 or 2**25 on SD3's "
+            "joint blocks, 0 on CPU kernels) or an integer "
+            f">= 0 ({verb} only in blocks where batch * tokens**2 reaches it); got {shown(min_work)}"
+        )
+    if min_work is not None and checked == "tomesd":
+        raise ValueError(
+            f"min_work={shown(min_work)} is a threshold of policy='auto'; policy='tomesd' {verb}s every eligible "
+            f"block. Leave min_work=None with policy='tomesd', or use policy='auto'"
+        )
+    return checked, None if min_work is None else int(min_work)
+
+
+def checked_downsample_factor(value: Any, name: str) -> int:
+    """ToDo's downsampling per side as a plain int in [2, 8], else a ``ValueError`` naming ``name``."""
+    if not is_int(value) or value not in DOWNSAMPLE_FACTORS:
+        raise ValueError(f"{name} must be an integer in [2, 8]; got {shown(value)}")
+    return int(value)
+
+
+def checked_downsample_mode(value: Any, name: str) -> str:
+    """ToDo's downsampling mode as a plain str of :data:`DOWNSAMPLE_MODES`, else a ``ValueError`` naming ``name``."""
+    mode = as_choice(value, DOWNSAMPLE_MODES)
+    if mode is None:
+        raise ValueError(f"{name} must be one of {DOWNSAMPLE_MODES}; got {shown(value)}")
+    return mode
+
+
 @dataclass(frozen=True)
 class ToMeConfig:
     """Settings of ToMe for Stable Diffusion. The defaults are tomesd's (the paper's settings) except
@@ -138,7 +197,10 @@ class ToMeConfig:
             partition of a block is a pure function of (seed, block, timestep, grid size), so identical calls give
             identical images.
         method: ``"tome"`` (merge, run, unmerge) or ``"todo"`` (ToDo: every query stays; only the keys and values
-            of self-attention are downsampled on the token grid, so nothing is matched or unmerged). ToDo does not
+            of self-attention are downsampled on the token grid, so nothing is matched or unmerged). ``"todo"`` is
+            0.14's way to ToDo, kept as a translating alias: the patch runs
+            ``ToDoConfig(factor=downsample_factor, mode=downsample_mode, max_downsample, min_tokens, policy,
+            min_work)`` (:class:`~ppdiffusers_tome.tome.todo.ToDoConfig`, what ``apply_todo`` takes). ToDo does not
             use ``ratio``, ``sx``, ``sy``, ``use_rand`` or ``recompute_every``; they are only checked for their
             type: ``ratio`` is a number in [0, 1) (no stride limit), a pair of such numbers or a callable (not
             called), ``sx``/``sy`` integers in [1, 64], ``use_rand`` a bool, ``recompute_every`` as for ToMe.
@@ -238,15 +300,7 @@ class ToMeConfig:
                 )
             store(name, int(value))
         store("ratio", self._checked_ratio(self.ratio))
-        max_downsample = self.max_downsample
-        if as_choice(max_downsample, ("auto",)) is not None:
-            store("max_downsample", "auto")
-        elif is_int(max_downsample) and max_downsample in ALLOWED_MAX_DOWNSAMPLE:
-            store("max_downsample", int(max_downsample))
-        else:
-            raise ValueError(
-                f"max_downsample must be 'auto' or one of {ALLOWED_MAX_DOWNSAMPLE}; got {shown(max_downsample)}"
-            )
+        store("max_downsample", checked_max_downsample(self.max_downsample))
         for name in ("use_rand", "merge_attn", "merge_crossattn", "merge_mlp", "deterministic"):
             flag = as_bool(getattr(self, name))
             if flag is None:
@@ -261,13 +315,8 @@ class ToMeConfig:
         self._check_policy_options(store)
 
     def _check_todo_options(self, store: Callable[[str, Any], None]) -> None:
-        mode = as_choice(self.downsample_mode, DOWNSAMPLE_MODES)
-        if mode is None:
-            raise ValueError(f"downsample_mode must be one of {DOWNSAMPLE_MODES}; got {shown(self.downsample_mode)}")
-        store("downsample_mode", mode)
-        if not is_int(self.downsample_factor) or self.downsample_factor not in DOWNSAMPLE_FACTORS:
-            raise ValueError(f"downsample_factor must be an integer in [2, 8]; got {shown(self.downsample_factor)}")
-        store("downsample_factor", int(self.downsample_factor))
+        store("downsample_mode", checked_downsample_mode(self.downsample_mode, "downsample_mode"))
+        store("downsample_factor", checked_downsample_factor(self.downsample_factor, "downsample_factor"))
         if self.method == "todo" and (self.merge_crossattn or self.merge_mlp or not self.merge_attn):
             raise ValueError(
                 "method='todo' downsamples the keys and values of self-attention only; with it merge_attn must be "
@@ -297,30 +346,12 @@ class ToMeConfig:
         if share is None:
             raise ValueError(f"share_plan must be one of {SHARE_PLAN}; got {shown(self.share_plan)}")
         store("share_plan", share)
-        if not is_int(self.min_tokens) or self.min_tokens < 0:
-            raise ValueError(
-                f"min_tokens must be an integer >= 0 (merge only where batch * tokens reaches it); got {shown(self.min_tokens)}"
-            )
-        store("min_tokens", int(self.min_tokens))
+        store("min_tokens", checked_min_tokens(self.min_tokens))
 
     def _check_policy_options(self, store: Callable[[str, Any], None]) -> None:
-        policy = as_choice(self.policy, POLICIES)
-        if policy is None:
-            raise ValueError(f"policy must be one of {POLICIES}; got {shown(self.policy)}")
+        policy, min_work = checked_policy(self.policy, self.min_work)
         store("policy", policy)
-        work = self.min_work
-        if work is not None and (not is_int(work) or work < 0):
-            raise ValueError(
-                "min_work must be None (the policy's default: 2**26 or 2**28 on GPU kernels, 2**23 or 2**25 on SD3's "
-                "joint blocks, 0 on CPU kernels) or an integer "
-                f">= 0 (merge only in blocks where batch * tokens**2 reaches it); got {shown(work)}"
-            )
-        if work is not None and policy == "tomesd":
-            raise ValueError(
-                f"min_work={shown(work)} is a threshold of policy='auto'; policy='tomesd' merges every eligible block. "
-                "Leave min_work=None with policy='tomesd', or use policy='auto'"
-            )
-        store("min_work", None if work is None else int(work))
+        store("min_work", min_work)
 
     def _checked_ratio(self, ratio: Any) -> RatioSpec:
         todo = self.method == "todo"

@@ -1,10 +1,12 @@
 """What a transformer block call does, decided in one place (tomesd's ``compute_merge``): a pure function of the
-block's input shape, the call (latent size, kernel family, ratio now, finest level so far) and the settings.
+block's input shape, the call (latent size, kernel family, ratio now, finest level so far) and the settings (a
+:class:`~ppdiffusers_tome.tome.config.ToMeConfig` or a :class:`~ppdiffusers_tome.tome.todo.ToDoConfig`).
 
-:func:`decide` answers, in this order: does anything merge at all; which token grid and level the block is at, and
+:func:`decide_block` answers, in this order: does anything merge at all; which token grid and level the block is at, and
 whether that level merges; is the block below ``min_tokens``; what the policy says for its size and kernels (skip,
 K/V pooling, or the settings' plan, see :mod:`~ppdiffusers_tome.tome.policy`); ToDo's downsampling; whether the grid
-holds a cell and the ratio leaves a token to merge. It returns a :class:`BlockDecision` with the reason in words, and
+holds a cell and the ratio leaves a token to merge. It returns a :class:`BlockDecision` (its ``action`` one of
+:class:`~ppdiffusers_tome.tome.actions.Action`) with the reason in words, and
 writes nothing: counting, planning and reporting are the hooks' (:mod:`~ppdiffusers_tome.tome.hooks`). Its answers are
 memoised by the hooks, so a block call that does not merge costs one dictionary lookup.
 """
@@ -18,15 +20,19 @@ import paddle
 
 from ..ops.partition import find_downsample
 from ..ops.windows import window_sides
+from .actions import Action
 from .config import ToMeConfig, tokens_to_merge
 from .joint_attention import attention_core
-from .policy import POOL, SKIP, Policy
+from .policy import Policy
 from .state import ToMeStaticGraphError
+from .todo import DEFAULT_TODO, ToDoConfig, technique_config
 
-__all__ = ["MERGE", "OFF", "POOLED", "SKIPPED", "TODO", "BlockDecision", "Settings", "decide",
-           "finest_block_level", "patch_size_of"]
+__all__ = ["Action", "BlockDecision", "POOLING", "Settings", "decide_block", "finest_block_level", "patch_size_of"]
 
-OFF, SKIPPED, POOLED, TODO, MERGE = "off", "skip", "pool", "todo", "merge"
+# the policy's K/V pooling: ToDo's plan at its defaults, as the (factor, mode) a decision carries (plain values: a
+# decision is made inside a traced forward, where Paddle's SOT tracer cannot rebuild a frozen dataclass held in it)
+POOLING = (DEFAULT_TODO.factor, DEFAULT_TODO.mode)
+
 # the rules that decide, in the order they are asked
 REASONS = ("nothing", "no_grid", "level", "min_tokens", "policy", "todo", "no_cell", "ratio0", "rounds", "merge")
 
@@ -86,14 +92,17 @@ def patch_size_of(model: Any) -> int | None:
 
 
 class Settings:
-    """What :func:`decide` reads about one patched model, fixed when ToMe is applied: the config's choices and,
-    from the model, the finest block level (``max_downsample="auto"``) and the patch size of a transformer-only
-    model (DiT, PixArt-alpha: every block runs on the patch grid)."""
+    """What :func:`decide_block` reads about one patched model, fixed when ToMe or ToDo is applied: the config's
+    choices and, from the model, the finest block level (``max_downsample="auto"``) and the patch size of a
+    transformer-only model (DiT, PixArt-alpha: every block runs on the patch grid). ``todo`` is the
+    :class:`~ppdiffusers_tome.tome.todo.ToDoConfig` ToDo runs (None for ToMe)."""
 
-    def __init__(self, config: ToMeConfig, model: Any, blocks: list[tuple[str, Any]]):
-        self.todo = config.method == "todo"
+    def __init__(self, config: Any, model: Any, blocks: list[tuple[str, Any]]):
+        config = technique_config(config)  # (0.14's ToMeConfig(method="todo") is ToDo's config)
+        self.todo: ToDoConfig | None = config if isinstance(config, ToDoConfig) else None
+        tome = config if self.todo is None else ToMeConfig()  # (ToMe's plan options, not used by ToDo)
         # with every sub-layer switched off nothing runs on merged tokens: then nothing is planned either
-        self.merges_something = self.todo or config.merge_attn or config.merge_crossattn or config.merge_mlp
+        self.merges_something = self.todo is not None or tome.merge_attn or tome.merge_crossattn or tome.merge_mlp
         self.auto_level = config.max_downsample == "auto"
         self.max_downsample = None if self.auto_level else int(config.max_downsample)
         self.patch_size: int | None = patch_size_of(model)
@@ -106,28 +115,33 @@ class Settings:
         if self.auto_level and self.patch_size is None:
             self.auto_finest = finest_block_level(model, blocks)
         self.min_tokens = config.min_tokens
-        self.sx, self.sy = config.sx, config.sy
-        self.factor, self.mode = config.downsample_factor, config.downsample_mode
-        self.match_window = config.match_window
+        self.downsample = None if self.todo is None else (self.todo.factor, self.todo.mode)  # ToDo's (factor, mode)
+        self.sx, self.sy = tome.sx, tome.sy
+        self.match_window = tome.match_window
         self.policy = Policy(config, joint=self.joint, joint_pools=joint_pools)
 
 
 class BlockDecision:
-    """What one block call does: ``action`` (``"off"``: not a merging block in this call, ``"skip"``: it would
-    merge but ``min_tokens`` or the policy said no, ``"pool"``: the policy's K/V pooling, ``"todo"``: ToDo's
-    downsampling, ``"merge"``: a merge plan at ``ratio``), the block's ``level`` and ``grid`` (when known), the
-    policy's decision (when asked); ``reason`` names the rule that decided (one of :data:`REASONS`) and ``why``
-    says it in words; ``shared``: a merge whose plan is made once per call and token count (the policy's choice,
-    from ``share_plan``)."""
+    """What one block call does: ``action`` (an :class:`~ppdiffusers_tome.tome.actions.Action`: ``"off"``: not a
+    merging block in this call, ``"skip"``: it would merge but ``min_tokens`` or the policy said no, ``"pool"``: the
+    policy's K/V pooling, ``"todo"``: ToDo's downsampling, ``"merge"``: a merge plan at ``ratio``), the block's
+    ``level`` and ``grid`` (when known), the policy's choice (when asked); ``reason`` names the rule that decided
+    (one of :data:`REASONS`) and ``why`` says it in words; ``shared``: a merge whose plan is made once per call and
+    token count (the policy's choice, from ``share_plan``); ``downsample``: for ``"pool"`` and ``"todo"``, the
+    ``(factor, mode)`` of the :class:`~ppdiffusers_tome.tome.todo.ToDoConfig` whose plan runs (:data:`POOLING`,
+    ToDo's defaults, for the pooling)."""
 
-    __slots__ = ("action", "reason", "level", "grid_h", "grid_w", "ratio", "policy", "why", "tokens", "shared")
+    __slots__ = ("action", "reason", "level", "grid_h", "grid_w", "ratio", "policy", "why", "tokens", "shared",
+                 "downsample")
 
     def __init__(self, action: str, reason: str, why: str, grid: Optional[Tuple[int, int, int]] = None,
-                 ratio: float = 0.0, policy: Any = None, tokens: int = 0) -> None:
+                 ratio: float = 0.0, policy: Any = None, tokens: int = 0,
+                 downsample: Optional[Tuple[int, str]] = None):
         self.action, self.reason, self.why, self.ratio, self.policy = action, reason, why, ratio, policy
         self.level, self.grid_h, self.grid_w = grid if grid is not None else (None, 0, 0)
         self.tokens = tokens  # with reason "rounds": the tokens the ratio is applied to (a block's or a window's)
-        self.shared = action == MERGE and policy is not None and policy.shared
+        self.shared = action == Action.MERGE and policy is not None and policy.shared
+        self.downsample = downsample
 
     def __repr__(self) -> str:
         return f"BlockDecision({self.action!r}, level={self.level}, grid={self.grid_h}x{self.grid_w}: {self.why})"
@@ -146,9 +160,9 @@ def grid_of(settings: Settings, latent_hw: Tuple[int, int], tokens: int) -> Opti
     return level, math.ceil(latent_h / level), math.ceil(latent_w / level)
 
 
-def decide(settings: Settings, tokens: int, batch: int, grid: Optional[Tuple[int, int, int]], finest: Optional[int],
-           kernels: str, ratio: float) -> BlockDecision:
-    """The decision for a block call with ``tokens`` tokens and ``batch`` items (``-1``: a dynamic batch while
+def decide_block(settings: Settings, tokens: int, batch: int, grid: Optional[Tuple[int, int, int]],
+                 finest: Optional[int], kernels: str, ratio: float) -> BlockDecision:
+    """What a block call does: the decision for a block call with ``tokens`` tokens and ``batch`` items (``-1``: a dynamic batch while
     tracing) on ``grid`` (from :func:`grid_of`), ``finest`` the finest level seen so far in the call, on
     ``kernels`` (``"cpu"``/``"gpu"``), at merge ``ratio``.
 
@@ -156,26 +170,28 @@ def decide(settings: Settings, tokens: int, batch: int, grid: Optional[Tuple[int
     >>> from ppdiffusers_tome.tome.patch import find_blocks
     >>> unet = tiny_unet()
     >>> settings = Settings(ToMeConfig(), unet, find_blocks(unet))
-    >>> decide(settings, 256, 2, grid_of(settings, (16, 16), 256), 1, "cpu", 0.5).action
+    >>> decide_block(settings, 256, 2, grid_of(settings, (16, 16), 256), 1, "cpu", 0.5).action
     'merge'
-    >>> decide(settings, 64, 2, grid_of(settings, (16, 16), 64), 1, "cpu", 0.5).why
+    >>> decide_block(settings, 64, 2, grid_of(settings, (16, 16), 64), 1, "cpu", 0.5).why
     'level 2 is above the finest level with transformer blocks (1, max_downsample="auto")'
     """
     where = _where(settings, tokens, batch, grid, finest)
     if where is not None:
         return where
-    policy = settings.policy.decide_shape(kernels, batch, tokens)
-    if policy.action == SKIP:
-        return BlockDecision(SKIPPED, "policy", policy.why(), grid, policy=policy)
-    if policy.action == POOL:
-        return BlockDecision(POOLED, "policy", policy.why(), grid, policy=policy)
-    if settings.todo:
-        return BlockDecision(TODO, "todo", f"ToDo: keys and values downsampled by {settings.factor}", grid, policy=policy)
+    policy = settings.policy.choose_plan_for(kernels, batch, tokens)
+    if policy.action == Action.SKIP:
+        return BlockDecision(Action.SKIP, "policy", policy.why(), grid, policy=policy)
+    if policy.action == Action.POOL:  # ToDo's plan at its defaults
+        return BlockDecision(Action.POOL, "policy", policy.why(), grid, policy=policy, downsample=POOLING)
+    todo = settings.downsample
+    if todo is not None:
+        return BlockDecision(Action.TODO, "todo", f"ToDo: keys and values downsampled by {todo[0]}", grid,
+                             policy=policy, downsample=todo)
     nothing = _nothing_to_merge(settings, tokens, grid, ratio, policy)
     if nothing is not None:
         return nothing
     shared = " with one plan per call" if policy.shared else ""
-    return BlockDecision(MERGE, "merge", f"merge at ratio {ratio:g}{shared}", grid, ratio, policy)
+    return BlockDecision(Action.MERGE, "merge", f"merge at ratio {ratio:g}{shared}", grid, ratio, policy)
 
 
 def _where(settings: Settings, tokens: int, batch: int, grid: Optional[Tuple[int, int, int]],
@@ -183,17 +199,17 @@ def _where(settings: Settings, tokens: int, batch: int, grid: Optional[Tuple[int
     """The decision when the block cannot merge for where it is (no settings that merge, no grid, a level above the
     limit, fewer than ``min_tokens``), else None."""
     if not settings.merges_something:
-        return BlockDecision(OFF, "nothing", "merge_attn, merge_crossattn and merge_mlp are all False")
+        return BlockDecision(Action.OFF, "nothing", "merge_attn, merge_crossattn and merge_mlp are all False")
     if grid is None:
-        return BlockDecision(OFF, "no_grid", "the tokens form no grid of the latent")
+        return BlockDecision(Action.OFF, "no_grid", "the tokens form no grid of the latent")
     level = grid[0]
     if settings.auto_level:
         limit = settings.auto_finest if settings.auto_finest is not None else finest
         if level > limit:
-            return BlockDecision(OFF, "level", f"level {level} is above the finest level with transformer blocks ({limit}, "
+            return BlockDecision(Action.OFF, "level", f"level {level} is above the finest level with transformer blocks ({limit}, "
                                  'max_downsample="auto")', grid)
     elif level > settings.max_downsample:
-        return BlockDecision(OFF, "level", f"level {level} is above max_downsample={settings.max_downsample}", grid)
+        return BlockDecision(Action.OFF, "level", f"level {level} is above max_downsample={settings.max_downsample}", grid)
     if settings.min_tokens:
         if batch < 0:
             raise ToMeStaticGraphError(
@@ -201,7 +217,7 @@ def _where(settings: Settings, tokens: int, batch: int, grid: Optional[Tuple[int
                 "batch is dynamic; give the InputSpec a fixed batch or set min_tokens=0 before converting"
             )
         if batch * tokens < settings.min_tokens:
-            return BlockDecision(SKIPPED, "min_tokens", f"batch * tokens = {batch * tokens} < min_tokens = {settings.min_tokens}",
+            return BlockDecision(Action.SKIP, "min_tokens", f"batch * tokens = {batch * tokens} < min_tokens = {settings.min_tokens}",
                                  grid)
     return None
 
@@ -213,19 +229,25 @@ def _nothing_to_merge(settings: Settings, tokens: int, grid: Tuple[int, int, int
     grid_h, grid_w = grid[1], grid[2]
     sx, sy = settings.sx, settings.sy
     if (grid_h // sy) * (grid_w // sx) == 0:
-        return BlockDecision(OFF, "no_cell", f"the {grid_h}x{grid_w} grid holds no {sy}x{sx} cell", grid, policy=policy)
+        return BlockDecision(Action.OFF, "no_cell", f"the {grid_h}x{grid_w} grid holds no {sy}x{sx} cell", grid, policy=policy)
     if ratio <= 0:
-        return BlockDecision(OFF, "ratio0", "the ratio is 0", grid, policy=policy)
+        return BlockDecision(Action.OFF, "ratio0", "the ratio is 0", grid, policy=policy)
     if settings.match_window is None:
         if tokens_to_merge(tokens, ratio) <= 0:
-            return BlockDecision(OFF, "rounds", f"int({tokens} * {ratio:g}) = 0 tokens to merge", grid, policy=policy,
+            return BlockDecision(Action.OFF, "rounds", f"int({tokens} * {ratio:g}) = 0 tokens to merge", grid, policy=policy,
                                  tokens=tokens)
     else:
         wy, wx = window_sides(grid_h, grid_w, settings.match_window, sx, sy)
         cells = (wy // sy) * (wx // sx)
         if cells == 0:
-            return BlockDecision(OFF, "no_cell", f"no {wy}x{wx} window holds a {sy}x{sx} cell", grid, policy=policy)
+            return BlockDecision(Action.OFF, "no_cell", f"no {wy}x{wx} window holds a {sy}x{sx} cell", grid, policy=policy)
         if min(tokens_to_merge(wy * wx, ratio), wy * wx - cells) <= 0:
-            return BlockDecision(OFF, "rounds", f"int({wy * wx} * {ratio:g}) = 0 tokens to merge in each "
+            return BlockDecision(Action.OFF, "rounds", f"int({wy * wx} * {ratio:g}) = 0 tokens to merge in each "
                                  f"{wy * wx}-token match_window", grid, policy=policy, tokens=wy * wx)
     return None
+
+
+def __getattr__(name: str) -> Any:  # the names of 0.15.0 and before (decide, OFF, SKIPPED, ...): compat.RENAMED
+    from ..compat import renamed
+
+    return renamed(__name__, name)

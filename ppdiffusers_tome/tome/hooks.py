@@ -6,10 +6,12 @@ merge, and on the sub-layers that run on merged tokens.
 * :class:`BlockHook` asks the model's :class:`~ppdiffusers_tome.tome.runner.CallRunner` for the block's plan (a decision, then a plan; see
   :mod:`~ppdiffusers_tome.tome.decision` and :mod:`~ppdiffusers_tome.tome.planner`) and holds it, for this thread, while the
   block runs.
-* :class:`SublayerHook` merges the input of ``attn1`` (``attn2``/``ff``) with that plan, runs the sub-layer on the
-  merged tokens and unmerges its output, so the block's residual add sees full-size tensors, exactly where tomesd
-  merges; with ToDo (and the policy's pooling) it passes the downsampled tokens as the keys and values instead (on
-  SD3's joint attention, through :func:`~ppdiffusers_tome.sd3_attention.downsampled_joint_attention`).
+* :class:`SublayerHook` runs ``attn1`` (``attn2``/``ff``) through that plan, whatever its kind, with one call
+  (:meth:`CallRunner.run_sublayer <ppdiffusers_tome.tome.runner.CallRunner.run_sublayer>`, which calls the plan's
+  ``run_sublayer`` and counts it): a merge plan merges the input, runs the sub-layer on the merged tokens and
+  unmerges its output, so the block's residual add sees full-size tensors, exactly where tomesd merges; ToDo's plan
+  (and the policy's pooling, ToDo's plan at its defaults) passes the downsampled tokens as the keys and values
+  instead (on SD3's joint attention, through :meth:`SublayerHook.joint_attention`).
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ import threading
 from typing import Any
 
 from ..core.registry import Hook
-from ..ops.downsample import DownsamplePlan
 from ..ops.runtime import begin_eager, end_eager
 from .joint_attention import downsampled_joint_attention
 from .runner import TENSOR_TYPES
@@ -94,8 +95,9 @@ class BlockHook(Hook):
 
 
 class SublayerHook(Hook):
-    """Runs one sub-layer (``attn1``, ``attn2`` or ``ff``; SD3's ``attn`` with ``joint``) of a block on merged
-    tokens."""
+    """Runs one sub-layer (``attn1``, ``attn2`` or ``ff``; SD3's ``attn`` with ``joint``) of a block through the
+    plan of the block call in flight. What a plan's ``run_sublayer(sublayer, x, args, kwargs)`` may use of it:
+    :meth:`next` (the sub-layer itself), ``self_attention``, ``joint`` and :meth:`joint_attention`."""
 
     def __init__(self, block: BlockHook, self_attention: bool, joint: bool = False) -> None:
         self.block = block
@@ -112,22 +114,12 @@ class SublayerHook(Hook):
         if not isinstance(x, TENSOR_TYPES) or x.ndim != 3 or x.shape[0] != plan.batch_size or \
                 x.shape[1] != plan.num_tokens:
             return self.next(*args, **kwargs)  # e.g. chunked feed-forward: leave such calls alone
-        counters = self.block.runner.counters
-        if isinstance(plan, DownsamplePlan):  # ToDo: queries stay, keys/values come from the downsampled tokens
-            if self.joint:  # the text stream stays; the image keys and values come from the downsampled image tokens
-                text = args[1] if len(args) > 1 else kwargs.get("encoder_hidden_states")
-                counters.merges += 1
-                return downsampled_joint_attention(self.layer, x, text, plan.keys_values(x))
-            if not self.self_attention or kwargs.get("encoder_hidden_states") is not None:
-                return self.next(*args, **kwargs)  # not self-attention after all (only_cross_attention blocks)
-            counters.merges += 1
-            return self.next(*args, **dict(kwargs, encoder_hidden_states=plan.keys_values(x)))
-        counters.merges += 1
-        merged = plan.merge(x)
-        if args:
-            output = self.next(merged, *args[1:], **kwargs)
-        else:
-            output = self.next(*args, **dict(kwargs, hidden_states=merged))
-        if isinstance(output, (tuple, list)):
-            return type(output)([plan.unmerge(output[0]), *output[1:]])
-        return plan.unmerge(output)
+        output = self.block.runner.run_sublayer(plan, self, x, args, kwargs)
+        if output is NotImplemented:  # the plan does not apply here (ToDo's on a layer that is not self-attention)
+            return self.next(*args, **kwargs)
+        return output
+
+    def joint_attention(self, hidden: Any, text: Any, image_kv: Any) -> Any:
+        """SD3's joint attention of this layer with the image keys and values from ``image_kv`` (the text stream
+        and every query stay)."""
+        return downsampled_joint_attention(self.layer, hidden, text, image_kv)

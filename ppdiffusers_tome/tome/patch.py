@@ -1,5 +1,5 @@
-"""ToMe on one model (a UNet, one ControlNet, one DiT / PixArt-alpha / SD3 transformer): installing its hooks and
-removing them. What the hooks do in each call is :class:`~ppdiffusers_tome.tome.runner.CallRunner`'s.
+"""ToMe (or ToDo) on one model (a UNet, one ControlNet, one DiT / PixArt-alpha / SD3 transformer): installing its
+hooks and removing them. What the hooks do in each call is :class:`~ppdiffusers_tome.tome.runner.CallRunner`'s.
 
 One :class:`ModelPatch` per patched model adds, through :mod:`ppdiffusers_tome.core.registry` (all named ``"tome"``):
 
@@ -23,12 +23,13 @@ from ppdiffusers.models.attention import BasicTransformerBlock, JointTransformer
 from ..core.calls import drop_calls_if_alone, model_calls, refuse_if_running
 from ..core.registry import LOCK, add_hook, hooks_of, remove_hook
 from .config import ToMeConfig
-from .decision import block_levels
+from .decision import Settings, block_levels
 from .hooks import BlockHook, ModelHook, SublayerHook
 from .joint_attention import attention_core
 from .planner import Planner
 from .runner import CallRunner
 from .state import CallRecord, ToMeState, ToMeStaticGraphError
+from .todo import ToDoConfig, technique_config
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +62,9 @@ def get_patch(model: Any) -> Optional["ModelPatch"]:
 
 
 class ModelPatch:
-    """ToMe installed on one model. Create with :meth:`install`, undo with :meth:`remove`.
+    """ToMe installed on one model, or ToDo (with a :class:`~ppdiffusers_tome.tome.todo.ToDoConfig`, or 0.14's
+    ``ToMeConfig(method="todo")``: ``config`` is what was given, ``runner.config`` what runs). Create with
+    :meth:`install`, undo with :meth:`remove`.
 
     Example:
         >>> from ppdiffusers_tome.testing import tiny_unet
@@ -76,23 +79,24 @@ class ModelPatch:
 
     planner_type = Planner  # what makes each block's plan (a subclass may swap it)
 
-    def __init__(self, model: paddle.nn.Layer, config: ToMeConfig, train_timesteps: int = 1000,
+    def __init__(self, model: paddle.nn.Layer, config: Any, train_timesteps: int = 1000,
                  blocks: Optional[List[Tuple[str, paddle.nn.Layer]]] = None):
         self.model = model
-        self.config = config
+        self.config = config  # as given (what tome_config reports)
+        technique = technique_config(config)  # what runs: a ToMeConfig, or ToDo's ToDoConfig
         all_blocks = find_blocks(model) if blocks is None else blocks
-        self.runner = CallRunner(model, config, all_blocks, train_timesteps, self.planner_type)
-        settings = self.runner.settings
+        settings = Settings(technique, model, all_blocks)
         # the blocks that can merge (all of them unless the model's structure says each one's level)
         levels = block_levels(model, all_blocks) if settings.merges_something else None
         limit = settings.auto_finest if settings.auto_level else settings.max_downsample
         self.hooked = [(index, name, block) for index, ((name, block), level) in
                        enumerate(zip(all_blocks, levels or [None] * len(all_blocks)))
                        if level is None or limit is None or level <= limit]
-        # the finest level of the model's structure (None when unknown): names the level to use when max_downsample
-        # is below every block, so that no block is hooked and no call sees a block's level
-        self.runner.structure_finest = min(levels) if levels else None
-        self.runner.hooked_blocks = len(self.hooked)
+        # structure_finest, the finest level of the model's structure (None when unknown): names the level to use
+        # when max_downsample is below every block, so that no block is hooked and no call sees a block's level
+        self.runner = CallRunner(model, technique, all_blocks, train_timesteps, self.planner_type,
+                                 hooked_blocks=len(self.hooked), structure_finest=min(levels) if levels else None,
+                                 settings=settings)
         self.num_blocks = len(all_blocks)
         self.installed = False
 
@@ -137,7 +141,7 @@ class ModelPatch:
 
     # lifecycle ------------------------------------------------------------------------------------------------------
     @classmethod
-    def install(cls, model: paddle.nn.Layer, config: ToMeConfig, train_timesteps: int = 1000) -> "ModelPatch":
+    def install(cls, model: paddle.nn.Layer, config: Any, train_timesteps: int = 1000) -> "ModelPatch":
         """Patch ``model`` with ``config``, replacing this package's earlier patch on it. Raises ``RuntimeError``
         (and changes nothing) while a forward of the model is running."""
         blocks = find_blocks(model)
@@ -168,10 +172,10 @@ class ModelPatch:
 
     def _sublayers(self, block: paddle.nn.Layer) -> List[Tuple[str, bool]]:
         """The sub-layers of ``block`` that get a hook, as ``(name, self-attention)``."""
-        config = self.config
+        config = self.runner.config
         for block_type, sublayers in SUBLAYERS.items():
             if isinstance(block, block_type):
-                if self.settings.todo:  # ToDo changes the keys and values of self-attention only
+                if isinstance(config, ToDoConfig):  # ToDo changes the keys and values of self-attention only
                     return [(name, True) for name, _, self_attention in sublayers if self_attention]
                 return [(name, self_attention) for name, option, self_attention in sublayers if getattr(config, option)]
         return []
@@ -180,12 +184,12 @@ class ModelPatch:
         """Refuse, naming the option, what a block type cannot do (before anything is installed)."""
         if not any(isinstance(block, JointTransformerBlock) for _, block in blocks):
             return
-        name = type(self.model).__name__
-        if self.config.merge_crossattn:
+        name, config = type(self.model).__name__, self.runner.config
+        if isinstance(config, ToMeConfig) and config.merge_crossattn:
             raise ValueError(f"merge_crossattn=True has no meaning on {name}: its joint attention runs the image and "
                              "text tokens in one sequence (merge_attn merges the image tokens before it); there is no "
                              "cross-attention to merge before. Leave merge_crossattn=False")
-        if self.settings.todo:  # ToDo runs the joint attention with the core of the layer's processor
+        if isinstance(config, ToDoConfig):  # ToDo runs the joint attention with the core of the layer's processor
             unknown = {f"{where}.attn": type(block.attn.processor).__name__ for where, block in blocks
                        if isinstance(block, JointTransformerBlock) and attention_core(block.attn.processor) is None}
             if unknown:
@@ -195,7 +199,7 @@ class ModelPatch:
 
     def _add_hooks(self) -> None:
         calls = model_calls(self.model, create=True)
-        if self.config.caches_plans:
+        if self.runner.planner.caches:  # (recompute_every counts steps)
             calls.use_clock(NAME)
         add_hook(self.model, NAME, ModelHook(self, self.runner), outer=False)
         self.installed = True

@@ -1,7 +1,9 @@
-"""How a block call's plan is made, once :func:`~ppdiffusers_tome.tome.decision.decide` has said what the block does.
+"""How a block call's plan is made, once :func:`~ppdiffusers_tome.tome.decision.decide_block` has said what the block
+does.
 
-K/V pooling and ToDo get a :class:`~ppdiffusers_tome.ops.downsample.DownsamplePlan` (one plan builder for both,
-differing in factor and mode). A merge gets, in this order: the plan an earlier block of the same call made at the
+K/V pooling and ToDo get a :class:`~ppdiffusers_tome.ops.downsample.DownsamplePlan` (one plan builder for both: the
+decision carries the factor and mode of the :class:`~ppdiffusers_tome.tome.todo.ToDoConfig` it runs, ToDo's
+defaults for the pooling). A merge gets, in this order: the plan an earlier block of the same call made at the
 same token count (when the decision says the plan is shared: ``share_plan="level"``, or SD3's joint blocks on GPU
 kernels with ``share_plan="auto"``), the plan kept from an earlier step for this block and call site
 (``recompute_every``), or a new plan: matching inside windows (``match_window``) or over the whole grid. The random
@@ -19,13 +21,13 @@ from ..ops.global_plan import MergePlan, bipartite_soft_matching_random2d
 from ..ops.local_plan import LocalMergePlan
 from ..ops.partition import layout, pick_partitions, step_key
 from ..ops.windows import window_sides, windows
+from .actions import Action
 from .config import ToMeConfig, tokens_to_merge
-from .decision import MERGE, POOLED, TODO, BlockDecision, finest_block_level
+from .decision import BlockDecision, finest_block_level
 from .state import CallRecord, PlanCache
 
 __all__ = ["COMPUTED", "REUSED", "SHARED", "Planner", "finest_block_level"]
 
-POOLING = (2, "nearest")  # the policy's K/V pooling: ToDo's defaults
 # where a merge plan came from (the caller counts them): made now, kept from an earlier step, an earlier block's
 COMPUTED, REUSED, SHARED = "computed", "reused", "shared"
 
@@ -41,23 +43,22 @@ class Planner:
     (False, 7)
     """
 
-    def __init__(self, config: ToMeConfig, num_blocks: int):
-        self.config = config
+    def __init__(self, config: Any, num_blocks: int):
+        self.config = config  # a ToMeConfig, or ToDo's ToDoConfig (whose plans need no option of this class)
         self.num_blocks = num_blocks
         # plain attributes read on the traced path (Paddle's SOT tracer cannot call dataclass properties)
-        self.caches = config.caches_plans
+        self.caches = isinstance(config, ToMeConfig) and config.caches_plans
         self.cache = PlanCache(config.recompute_every) if self.caches else None
 
     def plan(self, decision: BlockDecision, block_index: int, hidden: Any, call: CallRecord) -> Tuple[Any, Any]:
         """``(plan, where it came from)`` for a block call that ``decision`` says merges, pools or downsamples:
         :data:`COMPUTED`, :data:`REUSED` or :data:`SHARED` for a merge plan, None for a downsampling plan; ``(None,
         None)`` when there is nothing to plan."""
-        action = decision.action
-        if action == POOLED or action == TODO:
-            config = self.config
-            factor, mode = (config.downsample_factor, config.downsample_mode) if action == TODO else POOLING
-            return DownsamplePlan(hidden.shape[1], hidden.shape[0], decision.grid_h, decision.grid_w, factor, mode), None
-        if action != MERGE:
+        todo = decision.downsample  # pooling and ToDo: ToDo's (factor, mode), its defaults for the pooling
+        if todo is not None:
+            return DownsamplePlan(hidden.shape[1], hidden.shape[0], decision.grid_h, decision.grid_w, todo[0],
+                                  todo[1]), None
+        if decision.action != Action.MERGE:
             return None, None
         tokens = hidden.shape[1]
         shared = decision.shared

@@ -34,8 +34,10 @@ from dataclasses import fields
 from typing import Any
 
 from ..ops.runtime import KERNELS, device_kind, tracing
+from .actions import Action
 from .config import ToMeConfig
 from .state import ToMeStaticGraphError
+from .todo import ToDoConfig, technique_config
 
 __all__ = ["ASSUMED_BATCH", "JOINT_MERGE_MIN_WORK", "JOINT_MIN_WORK", "MERGE_MIN_WORK", "POOL_MIN_RATIO",
            "POOL_MIN_WORK", "Decision", "Policy", "pools_by_default"]
@@ -73,12 +75,10 @@ JOINT_MERGE_MIN_WORK = 2**25
 ASSUMED_BATCH = 2
 POOL_MIN_RATIO = 0.3  # the smallest ratio at which K/V pooling was measured closer to vanilla than merging
 
-MERGE, POOL, SKIP = "merge", "pool", "skip"
-
-
 class Decision:
-    """What the policy chose for block calls of one shape: ``action`` (``"merge"``: the settings' plan, ``"pool"``:
-    K/V pooling, ``"skip"``: no merging), on ``kernels``, for ``batch`` (``-1``: dynamic) x ``tokens``; ``joint``:
+    """What the policy chose for block calls of one shape: ``action`` (:data:`Action.MERGE
+    <ppdiffusers_tome.tome.actions.Action>`: the settings' plan, :data:`Action.POOL`: K/V pooling, ToDo's plan at its
+    defaults, :data:`Action.SKIP`: no merging), on ``kernels``, for ``batch`` (``-1``: dynamic) x ``tokens``; ``joint``:
     the blocks are SD3's (the pooling is then of the image keys and values); ``shared``: a merge plan is made once per
     call and token count and used by every block there (``share_plan``)."""
 
@@ -96,11 +96,11 @@ class Decision:
         shared = ", one plan per call shared by every block" if self.shared else ""
         if self.policy == "tomesd":
             return f"{size}; policy='tomesd' merges every eligible block{shared}"
-        if self.action == SKIP:
+        if self.action == Action.SKIP:
             return f"{size} < min_work = {_exact(self.threshold)}: merging would cost more than it saves"
-        if self.action == POOL and self.joint:
+        if self.action == Action.POOL and self.joint:
             plan = "ToDo's 2x2 downsampling of the image keys and values (the fastest plan measured on SD3)"
-        elif self.action == POOL:
+        elif self.action == Action.POOL:
             plan = "K/V pooling (the cheapest plan, closest to vanilla)"
         else:
             plan = f"the settings' plan{shared}"
@@ -127,27 +127,31 @@ def _exact(number: float) -> str:
 
 
 class Policy:
-    """The choice for one patched model (see the module docstring); :meth:`decide` is called once per block call
-    that could merge, and answers from a dict after the first call of each shape.
+    """The choice for one patched model (see the module docstring) of the plan kind a block call of some size gets
+    (skip, pool, or the settings' plan); :meth:`choose_plan` is called once per block call that could merge, and
+    answers from a dict after the first call of each shape. ``config``: a :class:`ToMeConfig` or a
+    :class:`~ppdiffusers_tome.tome.todo.ToDoConfig`.
 
     >>> import paddle
     >>> policy = Policy(ToMeConfig())
-    >>> policy.decide(paddle.zeros([2, 4096, 8]), "gpu").action, policy.decide(paddle.zeros([2, 16384, 8]), "gpu").action
-    ('skip', 'pool')
-    >>> policy.decide(paddle.zeros([2, 4096, 8]), "cpu").action
+    >>> [policy.choose_plan(paddle.zeros([2, tokens, 8]), "gpu").action for tokens in (4096, 16384)]
+    ['skip', 'pool']
+    >>> policy.choose_plan(paddle.zeros([2, 4096, 8]), "cpu").action
     'merge'
 
     On SD3's joint blocks (image tokens of 512, 768 and 1024 px with one image):
 
     >>> joint = Policy(ToMeConfig(), joint=True)
-    >>> [joint.decide_shape("gpu", 2, tokens).action for tokens in (1024, 2304, 4096)]
+    >>> [joint.choose_plan_for("gpu", 2, tokens).action for tokens in (1024, 2304, 4096)]
     ['skip', 'pool', 'pool']
     >>> merging = Policy(ToMeConfig(merge_mlp=True), joint=True)
-    >>> [(d.action, d.shared) for d in (merging.decide_shape("gpu", 2, 2304), merging.decide_shape("gpu", 2, 4096))]
+    >>> [(d.action, d.shared) for d in (merging.choose_plan_for("gpu", 2, 2304), merging.choose_plan_for("gpu", 2, 4096))]
     [('skip', False), ('merge', True)]
     """
 
-    def __init__(self, config: ToMeConfig, joint: bool = False, joint_pools: bool = True):
+    def __init__(self, config: Any, joint: bool = False, joint_pools: bool = True):
+        config = technique_config(config)  # (0.14's ToMeConfig(method="todo") is ToDo's config)
+        todo = isinstance(config, ToDoConfig)
         self.name = config.policy
         self.auto = config.policy == "auto"
         self.min_work = config.min_work
@@ -157,33 +161,37 @@ class Policy:
         self.pools = self.auto and pools_by_default(config) and (joint_pools or not joint)
         if joint:
             self.pool_min_work = JOINT_MIN_WORK
-            self.merge_min_work = JOINT_MIN_WORK if config.method == "todo" else JOINT_MERGE_MIN_WORK
+            self.merge_min_work = JOINT_MIN_WORK if todo else JOINT_MERGE_MIN_WORK
         else:
             self.pool_min_work, self.merge_min_work = POOL_MIN_WORK, MERGE_MIN_WORK
         # one merge plan per call and token count: asked for, or SD3's blocks on GPU kernels with share_plan="auto"
         # (ToDo has no plan to share)
-        tome = config.method == "tome"
+        tome = not todo
         self.share_level = tome and config.share_plan == "level"
         self.share_joint = tome and joint and config.share_plan == "auto"
         self._decisions: dict[tuple[str, int, int], Decision] = {}
         self.warned = False
 
-    def decide(self, hidden: Any, kernels: str | None = None) -> Decision:
-        """The decision for a block input ``hidden`` (``[B, N, C]``) on ``kernels`` (default: its place)."""
+    def choose_plan(self, hidden: Any, kernels: str | None = None) -> Decision:
+        """The plan kind for a block input ``hidden`` (``[B, N, C]``) on ``kernels`` (default: its place)."""
         batch = hidden.shape[0]
         batch = -1 if batch is None or batch < 0 else int(batch)
-        return self.decide_shape(kernels or device_kind(hidden), batch, int(hidden.shape[1]))
+        return self.choose_plan_for(kernels or device_kind(hidden), batch, int(hidden.shape[1]))
 
-    def decide_shape(self, kernels: str, batch: int, tokens: int) -> Decision:
-        """The decision for block calls of ``batch`` (``-1``: dynamic) x ``tokens`` on ``kernels``."""
+    def choose_plan_for(self, kernels: str, batch: int, tokens: int) -> Decision:
+        """The plan kind for block calls of ``batch`` (``-1``: dynamic) x ``tokens`` on ``kernels``."""
         key = f"{kernels}/{batch}/{tokens}"  # (a str key and no dict.get: what Paddle's SOT tracer can follow)
         if key in self._decisions:
             return self._decisions[key]
-        decision = self._decide(kernels, batch, tokens)
+        decision = self._choose(kernels, batch, tokens)
         self._decisions[key] = decision
         return decision
 
-    def _decide(self, kernels: str, batch: int, tokens: int) -> Decision:
+    # the names of 0.15.0 and before, kept for one more release (see ppdiffusers_tome.compat.RENAMED_METHODS)
+    decide = property(lambda self: _renamed_method(self, "decide"))
+    decide_shape = property(lambda self: _renamed_method(self, "decide_shape"))
+
+    def _choose(self, kernels: str, batch: int, tokens: int) -> Decision:
         if tokens < 0:  # (a dynamic token count while tracing: the work is unknown)
             raise ToMeStaticGraphError(
                 "ToMe's policy decides from a block's batch * tokens**2, and this block's token count is dynamic in "
@@ -193,7 +201,7 @@ class Policy:
         launch_bound = KERNELS[kernels].few_launches
         shared = self.share_level or (self.share_joint and launch_bound)
         if not self.auto:
-            return Decision(MERGE, kernels, batch, tokens, work, 0, self.name, self.joint, shared)
+            return Decision(Action.MERGE, kernels, batch, tokens, work, 0, self.name, self.joint, shared)
         pools = launch_bound and self.pools
         if self.min_work is not None:
             threshold = self.min_work
@@ -202,11 +210,11 @@ class Policy:
         else:
             threshold = 0
         if work < threshold:
-            action = SKIP
+            action = Action.SKIP
         else:
-            action = POOL if pools else MERGE
+            action = Action.POOL if pools else Action.MERGE
         return Decision(action, kernels, batch, tokens, work, threshold, self.name, self.joint,
-                        shared and action == MERGE)
+                        shared and action == Action.MERGE)
 
     def log_first_skip(self, decision: Decision, model_name: str) -> None:
         """Log the first skip of this patch, once, naming the options that force merging (not while tracing)."""
@@ -219,17 +227,18 @@ class Policy:
         )
 
 
-def pools_by_default(config: ToMeConfig) -> bool:
+def pools_by_default(config: Any) -> bool:
     """Whether the settings leave the plan to the policy: every option that shapes the plan at its default (only
     ``ratio``, ``max_downsample``, ``min_tokens`` and the policy's own options set) and a constant ratio of at least
-    :data:`POOL_MIN_RATIO`. An option a user sets wins over the policy.
+    :data:`POOL_MIN_RATIO`. An option a user sets wins over the policy; ToDo (a
+    :class:`~ppdiffusers_tome.tome.todo.ToDoConfig`, or ``method="todo"``) has its own plan.
 
     >>> pools_by_default(ToMeConfig()), pools_by_default(ToMeConfig(share_plan="level")), pools_by_default(ToMeConfig(ratio=0.2))
     (True, False, False)
     >>> pools_by_default(ToMeConfig(use_rand=False)), pools_by_default(ToMeConfig(max_downsample=2))
     (False, True)
     """
-    if config.is_scheduled or config.ratio < POOL_MIN_RATIO:
+    if not isinstance(config, ToMeConfig) or config.is_scheduled or config.ratio < POOL_MIN_RATIO:
         return False
     return all(getattr(config, field.name) == field.default for field in fields(ToMeConfig)
                if field.name not in _POLICY_FREE)
@@ -237,3 +246,9 @@ def pools_by_default(config: ToMeConfig) -> bool:
 
 # the options that do not shape a plan: how much, where, and the policy's own
 _POLICY_FREE = frozenset({"ratio", "max_downsample", "min_tokens", "policy", "min_work"})
+
+
+def _renamed_method(policy: Policy, old: str) -> Any:
+    from ..compat import renamed_method
+
+    return renamed_method(policy, "Policy", old)

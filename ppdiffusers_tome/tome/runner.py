@@ -1,10 +1,10 @@
-"""ToMe's work inside one model call, as its hooks run it: the record of the call, what each block call does
-(:func:`~ppdiffusers_tome.tome.decision.decide`) and its plan (:class:`~ppdiffusers_tome.tome.planner.Planner`), and the
-counters of ``tome_stats``.
+"""ToMe's (and ToDo's) work inside one model call, as its hooks run it: the record of the call, what each block call
+does (:func:`~ppdiffusers_tome.tome.decision.decide_block`), its plan (:class:`~ppdiffusers_tome.tome.planner.Planner`),
+each sub-layer run through its plan, and the counters of ``tome_stats``.
 
 One :class:`CallRunner` per patched model is the handle the hooks hold (:mod:`~ppdiffusers_tome.tome.hooks`); the
-:class:`~ppdiffusers_tome.tome.patch.ModelPatch` that installs them only installs and removes. The counters of a call,
-its blocks and its plans are written here (a sub-layer hook adds the one count of what a sub-layer ran: ``merges``).
+:class:`~ppdiffusers_tome.tome.patch.ModelPatch` that installs them only installs and removes. Every counter is
+written here: those of a call, its blocks and its plans, and ``merges``, the sub-layers run through a plan.
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ import paddle
 
 from ..core.calls import model_calls
 from ..ops.runtime import converting, device_kind, tracing
+from .actions import Action
 from .checkpoint import RecomputePlans
 from .config import ToMeConfig, check_ratio, ratio_at
-from .decision import OFF, POOLED, SKIPPED, BlockDecision, Settings, decide, grid_of
+from .decision import BlockDecision, Settings, decide_block, grid_of
 from .planner import REUSED, SHARED, Planner
 from .state import (
     CallRecord,
@@ -31,6 +32,7 @@ from .state import (
     refuse_dynamic_size,
     refuse_dynamic_tokens,
 )
+from .todo import technique_config
 
 __all__ = ["CallRunner", "MAX_DECISIONS", "TENSOR_TYPES", "why_nothing_merged"]
 
@@ -66,11 +68,13 @@ class _Local(threading.local):
 
 
 class CallRunner:
-    """What ToMe does in each call of one model, for the hooks to run: :meth:`begin_call` / :meth:`end_call` /
-    :meth:`abandon_call` around the model's forward, :meth:`plan_block` for each hooked block call.
+    """What ToMe (or ToDo, with a :class:`~ppdiffusers_tome.tome.todo.ToDoConfig`) does in each call of one model,
+    for the hooks to run: :meth:`begin_call` / :meth:`end_call` / :meth:`abandon_call` around the model's forward,
+    :meth:`plan_block` for each hooked block call, :meth:`run_sublayer` for each sub-layer that runs through a plan.
 
-    The patch that installs the hooks sets ``hooked_blocks`` (how many blocks it hooked) and ``structure_finest``
-    (the finest level of the model's structure, None when unknown), for the warning of a call that merged nothing.
+    The patch that installs the hooks passes ``hooked_blocks`` (how many blocks it hooked; all of them by default)
+    and ``structure_finest`` (the finest level of the model's structure, None when unknown), for the warning of a
+    call that merged nothing, and the ``settings`` it read when choosing the blocks (made here when not given).
 
     >>> from ppdiffusers_tome.testing import tiny_unet
     >>> from ppdiffusers_tome.tome.patch import find_blocks
@@ -81,26 +85,30 @@ class CallRunner:
     ((16, 16), 1)
     """
 
-    def __init__(self, model: paddle.nn.Layer, config: ToMeConfig, blocks: List[Tuple[str, paddle.nn.Layer]],
-                 train_timesteps: int = 1000, planner_type: type = Planner):
+    def __init__(self, model: paddle.nn.Layer, config: Any, blocks: List[Tuple[str, paddle.nn.Layer]],
+                 train_timesteps: int = 1000, planner_type: type = Planner, hooked_blocks: Optional[int] = None,
+                 structure_finest: Optional[int] = None, settings: Optional[Settings] = None):
         self.model_name = type(model).__name__
         self.model = model
-        self.config = config
+        self.config = config = technique_config(config)  # a ToMeConfig, or ToDo's ToDoConfig
+        tome = config if isinstance(config, ToMeConfig) else None
         self.train_timesteps = int(train_timesteps)
-        self.settings = Settings(config, model, blocks)
+        self.settings = settings if settings is not None else Settings(config, model, blocks)
         self.planner = planner_type(config, len(blocks))
         self.counters = Counters()
         self.recompute = RecomputePlans(model, blocks)  # gradient checkpointing: plans kept for the recompute
         self.local = _Local()
         self.timestep_arg = _timestep_index(model)
-        self.scheduled = config.is_scheduled
-        self.needs_python = self.scheduled or config.caches_plans  # what a static graph cannot hold
+        self.scheduled = tome is not None and tome.is_scheduled
+        self.needs_python = self.scheduled or (tome is not None and tome.caches_plans)  # what a static graph cannot hold
+        self.ratio = tome.ratio if tome is not None else 0.0  # (ToDo has no ratio)
+        todo = self.settings.todo is not None
         # whether any block call may plan (ToDo, a ratio above 0 or a schedule): then the token grid must be known
-        self.plans = self.settings.merges_something and (self.settings.todo or self.scheduled or config.ratio > 0)
+        self.plans = self.settings.merges_something and (todo or self.scheduled or self.ratio > 0)
         self.runtime_finest = self.settings.auto_level and self.settings.auto_finest is None
-        self.technique = "ToDo" if self.settings.todo else "ToMe"
-        self.hooked_blocks = 0  # set by the patch once it has hooked them
-        self.structure_finest: Optional[int] = None  # the finest level of the model's structure, when known
+        self.technique = "ToDo" if todo else "ToMe"
+        self.hooked_blocks = len(blocks) if hooked_blocks is None else hooked_blocks
+        self.structure_finest = structure_finest  # the finest level of the model's structure, when known
         self._grids: Dict[str, Any] = {}
         self._decisions: Dict[str, BlockDecision] = {}
 
@@ -137,8 +145,8 @@ class CallRunner:
         latent_hw = (int(shape[-2]), int(shape[-1])) if shape is not None and len(shape) == 4 else None
         if latent_hw is not None and (latent_hw[0] < 0 or latent_hw[1] < 0) and self.plans:  # (-1: tracing)
             refuse_dynamic_size(self.model_name, self.technique, shape)
-        ratio = self.config.ratio
-        if self.scheduled and self.settings.merges_something and not self.settings.todo:
+        ratio = self.ratio
+        if self.scheduled and self.settings.merges_something:
             progress = progress_of(timestep, self.train_timesteps, self.counters)
             ratio = check_ratio(ratio_at(ratio, progress), self.config.sx, self.config.sy, f"(progress={progress:.3f})")
         counters = self.counters
@@ -185,19 +193,19 @@ class CallRunner:
         batch = -1 if batch is None or batch < 0 else batch
         decision = self.decision(tokens, batch, call, hidden.shape)
         action = decision.action
-        if action == OFF:
+        if action == Action.OFF:
             call.decisions[tokens] = decision
             return None
         counters = self.counters
         if decision.policy is not None:
             counters.decisions[tokens] = decision.policy
-        if action == SKIPPED:
+        if action == Action.SKIP:
             counters.blocks_skipped += 1
             policy = self.settings.policy
             if decision.policy is not None and not policy.warned:  # (a call only for the first skip)
                 policy.log_first_skip(decision.policy, self.model_name)
             return None
-        if action == POOLED:
+        if action == Action.POOL:
             counters.blocks_pooled += 1
         plan, source = self.planner.plan(decision, index, hidden, call)
         if source == SHARED:
@@ -213,6 +221,16 @@ class CallRunner:
         if self.recompute.possible and not hidden.stop_gradient:  # (only a graph for a backward can recompute)
             self.recompute.keep(index, hidden, plan)
         return plan
+
+    def run_sublayer(self, plan: Any, sublayer: Any, x: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        """Run ``sublayer`` (a :class:`~ppdiffusers_tome.tome.hooks.SublayerHook`) on its input ``x`` through
+        ``plan``, whatever its kind (``plan.run_sublayer``: a merge plan merges and unmerges around it, a
+        downsampling plan gives it downsampled keys and values), and count it in ``merges``; ``NotImplemented``
+        when the plan does not apply to this sub-layer (nothing is counted: the hook runs it as it is)."""
+        output = plan.run_sublayer(sublayer, x, args, kwargs)
+        if output is not NotImplemented:
+            self.counters.merges += 1
+        return output
 
     def decision(self, tokens: int, batch: int, call: CallRecord, shape: Any = None) -> BlockDecision:
         """What a block call with ``tokens`` tokens and ``batch`` images does in ``call``: the grid and the decision
@@ -233,13 +251,13 @@ class CallRunner:
             return decisions[key]
         if len(decisions) >= MAX_DECISIONS:  # a ratio schedule over continuous timesteps: a new key per call
             decisions.clear()
-        decision = decisions[key] = decide(self.settings, tokens, batch, grid, finest, call.kernels, call.ratio)
+        decision = decisions[key] = decide_block(self.settings, tokens, batch, grid, finest, call.kernels, call.ratio)
         return decision
 
     def warn_if_nothing_merged(self, record: CallRecord) -> None:
         """Warn once when a completed call merged nothing although the settings ask for merging, naming why (from
         the decisions of its blocks)."""
-        if not self.settings.merges_something or (not self.scheduled and self.config.ratio == 0):
+        if not self.settings.merges_something or (self.technique == "ToMe" and not self.scheduled and self.ratio == 0):
             return
         message = why_nothing_merged(self, record)
         if message is not None:
@@ -262,7 +280,7 @@ def why_nothing_merged(runner: CallRunner, record: CallRecord) -> Optional[str]:
     finest = [d for tokens, d in sorted(record.decisions.items(), key=lambda item: -item[0])
               if d.level == record.finest_level]
     decision = finest[0] if finest else None
-    if decision is None or decision.action != OFF:
+    if decision is None or decision.action != Action.OFF:
         return None
     if decision.reason == "no_cell" and runner.config.match_window is None:
         return (f"ToMe merged no tokens in {model}: its {decision.grid_h}x{decision.grid_w} token grid holds no "
