@@ -18,8 +18,8 @@ from ppdiffusers_tome.core.registry import hooks_of
 from ppdiffusers_tome.testing import tiny_sd3_pipeline, tiny_sd3_transformer
 from tests.conftest import generator
 from tests.test_sd3_model import NoisePredictor
-from tests.test_sd3_tome import forward, transformer_inputs
 from tests.thread_runs import alone_and_together
+from tests.tome.test_sd3_tome import forward, transformer_inputs
 from tests.unet_calls import hook_shape
 
 STEPS = 6

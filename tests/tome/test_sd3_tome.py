@@ -3,7 +3,7 @@ merged before the joint attention (and, with ``merge_mlp``, before the image MLP
 stream is left alone. Checked on the tiny offline SD3 models (the math attention processor, so on a CPU): token
 counts at the projections, one merged block against a float64 numpy forward, pipelines (txt2img, img2img; ratio 0
 and removal bit-identical), odd and non-square grids, a static graph with a dynamic batch, refused options,
-threads, copies and the status functions. ToDo on SD3: tests/test_sd3_todo.py."""
+threads, copies and the status functions. ToDo on SD3: tests/tome/test_sd3_todo.py."""
 
 import copy
 import math
@@ -366,7 +366,7 @@ def test_a_dynamic_latent_size_is_refused_by_name_at_export(options, tmp_path):
 # refusals --------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("options, named", [(dict(merge_crossattn=True), "merge_crossattn")], ids=["merge_crossattn"])
 def test_options_without_meaning_on_sd3_are_refused_by_name_before_anything_changes(options, named):
-    """(``method="todo"`` works on SD3 since 0.13.0: tests/test_sd3_todo.py.)"""
+    """(``method="todo"`` works on SD3 since 0.13.0: tests/tome/test_sd3_todo.py.)"""
     pipe = tiny_sd3_pipeline()
     unpatched = hook_shape(pipe.transformer)
     with pytest.raises(ValueError, match=named):

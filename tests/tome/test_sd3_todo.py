@@ -3,7 +3,7 @@ values are projected from the image tokens downsampled on the patch grid, every 
 stream is unchanged. Checked on the tiny offline SD3 models: one block against a float64 numpy forward, the number
 of keys that reach the attention core, both attention cores (the math path and ppdiffusers' GPU function), both
 kernel families and the policy, odd and non-square grids, pipelines, removal, status and refusals (the static graph
-with a dynamic batch: tests/test_sd3_tome.py)."""
+with a dynamic batch: tests/tome/test_sd3_tome.py)."""
 
 import numpy as np
 import paddle
@@ -19,7 +19,7 @@ from ppdiffusers_tome.tome.decision import Settings, decide, grid_of
 from ppdiffusers_tome.tome.patch import find_blocks, get_patch
 from ppdiffusers_tome.tome.policy import JOINT_MIN_WORK
 from tests.test_sd3_model import linear64
-from tests.test_sd3_tome import (
+from tests.tome.test_sd3_tome import (
     LATENT_CHANNELS,
     WIDTH,
     ada_norm_continuous64,
