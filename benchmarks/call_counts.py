@@ -34,7 +34,7 @@ import ppdiffusers_tome  # noqa: E402
 from ppdiffusers_tome.testing import gpu_kernels, tiny_unet  # noqa: E402
 
 PACKAGE = os.path.dirname(os.path.abspath(ppdiffusers_tome.__file__))
-# the bounds the package keeps (tests/test_call_counts.py checks them): package calls per UNet call
+# the bounds the package keeps (tests/tools/test_call_counts.py checks them): package calls per UNet call
 BOUNDS = {"tome, every block skipped": 60, "tome, defaults (5 blocks merge)": 250, "cache, interval 1": 70}
 # what the adaptive rule may add over the fixed interval, in package calls per UNet call: (adaptive row, interval row)
 ADAPTIVE_BOUND = 15

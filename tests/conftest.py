@@ -65,11 +65,11 @@ def pytest_configure(config):
 # (run.sh test: one file per process at a time, handed out in collection order) then ends with short files on both
 # processes instead of one long file on one of them. Every other file keeps pytest's order.
 LONGEST_FIRST = (
-    "tests/test_static_graph.py",  # SOT conversions, about 30 s each
-    "tests/test_shapes_shipped.py",  # generations with the shipped model, scored by its classifier
+    "tests/tome/test_static_graph.py",  # SOT conversions, about 30 s each
+    "tests/tools/test_shapes_shipped.py",  # generations with the shipped model, scored by its classifier
     "tests/test_examples.py",  # every example in its own interpreter
-    "tests/test_step_cache_export.py",
-    "tests/test_gpu_kernels.py",
+    "tests/cache/test_step_cache_export.py",
+    "tests/ops/test_gpu_kernels.py",
     "tests/test_tutorial.py",  # the notebook from a wheel in a fresh folder
 )
 

@@ -4,7 +4,7 @@ pytest's own progress is a row of dots with a percentage at the end of each scre
 each take a while the row does not move for minutes, and nothing says which file is running or how long the run has
 taken so far. With this plugin every file (a test module or a module's doctests) ends with one line of its own::
 
-    tests/test_static_graph.py: 30 passed in 61.2 s  [1,402/1,714 tests, 82%; 9:48 elapsed]
+    tests/tome/test_static_graph.py: 30 passed in 61.2 s  [1,402/1,714 tests, 82%; 9:48 elapsed]
 
 with the counts pytest's summary uses (failed, passed, skipped, xfailed, xpassed, error). A run stopped early (``-x``,
 ``--maxfail``, Ctrl-C) still gets the line of the file it stopped in. Failure reports, the summary and the exit code

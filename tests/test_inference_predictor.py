@@ -13,7 +13,7 @@ from paddle.static import InputSpec
 import ppdiffusers_tome
 from ppdiffusers_tome.cache.export import StepPrograms
 from ppdiffusers_tome.testing import tiny_unet
-from tests.test_static_graph import NoisePredictor, small_unet
+from tests.tome.test_static_graph import NoisePredictor, small_unet
 from tests.unet_calls import unet_inputs
 
 

@@ -1,4 +1,5 @@
-"""Every supported pipeline kind: runs with ToMe, really merges, and is bit-identical to vanilla after removal."""
+"""Pipelines with ToMe beyond the shared checks of tests/techniques/test_tome.py (which run every pipeline kind, merge
+and restore it exactly): a ControlNet patched alone, the ratio's effect, DiT's patch grid, PixArt's timestep, refusals."""
 
 import numpy as np
 import paddle
@@ -10,7 +11,6 @@ from ppdiffusers_tome.testing import (
     tiny_dit_pipeline,
     tiny_dit_transformer,
     tiny_sd_pipeline,
-    tiny_sdxl_pipeline,
 )
 from ppdiffusers_tome.tome.patch import get_patch
 from tests.conftest import generator, run
@@ -20,44 +20,6 @@ def control_image():
     from PIL import Image
 
     return Image.fromarray(np.random.default_rng(7).uniform(0, 255, (32, 32, 3)).astype("uint8"))
-
-
-def build(kind, init_image, mask_image):
-    """(pipeline, call kwargs, apply kwargs, expected patched components) for one pipeline kind."""
-    if kind == "txt2img":
-        return tiny_sd_pipeline(), {}, {}, {"unet"}
-    if kind == "img2img":
-        return tiny_sd_pipeline("img2img"), dict(image=init_image, strength=0.9), {}, {"unet"}
-    if kind == "inpaint":
-        return tiny_sd_pipeline("inpaint"), dict(image=init_image, mask_image=mask_image), {}, {"unet"}
-    if kind == "controlnet":
-        return tiny_controlnet_pipeline(1), dict(image=control_image()), {}, {"unet", "controlnet"}
-    if kind == "multicontrolnet":
-        names = {"unet", "controlnet.nets.0", "controlnet.nets.1"}
-        return tiny_controlnet_pipeline(2), dict(image=[control_image(), control_image()]), {}, names
-    if kind == "sdxl":
-        return tiny_sdxl_pipeline(), {}, {}, {"unet"}  # the default max_downsample="auto" finds SDXL's 2x level
-    raise AssertionError(kind)
-
-
-KINDS = ["txt2img", "img2img", "inpaint", "controlnet", "multicontrolnet", "sdxl"]
-
-
-@pytest.mark.parametrize("options", [dict(ratio=0.5), dict(method="todo"), dict(ratio=(0.6, 0.3), recompute_every=2)],
-                         ids=["tome", "todo", "scheduled-cached"])
-@pytest.mark.parametrize("kind", KINDS)
-def test_pipeline_merges_and_is_restored_exactly(kind, options, init_image, mask_image):
-    pipe, call, apply, patched = build(kind, init_image, mask_image)
-    vanilla = run(pipe, steps=3, **call)
-    pipe.apply_tome(**options, **apply)
-    merged = run(pipe, steps=3, **call)
-    stats = ppdiffusers_tome.tome_stats(pipe)
-    assert set(stats) == patched
-    assert all(s["merges"] > 0 for s in stats.values()), stats
-    assert merged.shape == vanilla.shape and np.isfinite(merged).all()
-    assert 0 < np.abs(merged - vanilla).max() < 1.0
-    pipe.remove_tome()
-    np.testing.assert_array_equal(run(pipe, steps=3, **call), vanilla)
 
 
 def test_controlnet_model_alone_can_be_patched():

@@ -52,10 +52,10 @@ def collected_files(done):
 
 @needs_venv
 def test_a_path_replaces_the_default_selection():
-    """``bash run.sh test -q tests/test_config.py`` runs that file only (it used to add the whole suite)."""
-    done = run_sh("test", "--collect-only", "-q", "-p", "no:cacheprovider", "tests/test_config.py")
+    """``bash run.sh test -q tests/tome/test_config.py`` runs that file only (it used to add the whole suite)."""
+    done = run_sh("test", "--collect-only", "-q", "-p", "no:cacheprovider", "tests/tome/test_config.py")
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    assert collected_files(done) == {"tests/test_config.py"}
+    assert collected_files(done) == {"tests/tome/test_config.py"}
     assert "run.sh: collecting the tests of the given paths ..." in done.stderr  # before pytest's first line
 
 
@@ -69,7 +69,7 @@ def test_options_alone_keep_the_whole_suite_and_the_doctests():
     assert "bringing up nodes" not in done.stdout  # one worker: this process, no pytest-xdist
     assert "run.sh: collecting the whole suite (tests/ and the doctests) ..." in done.stderr
     files = collected_files(done)
-    assert "tests/test_cli.py" in files and "ppdiffusers_tome/compat.py" in files  # a test file and a doctest
+    assert "tests/tools/test_cli.py" in files and "ppdiffusers_tome/compat.py" in files  # a test file and a doctest
 
 
 @needs_venv
@@ -82,12 +82,13 @@ def test_the_whole_suite_runs_its_files_on_test_workers_processes():
     assert "bringing up nodes" in done.stdout, done.stdout[-2000:]
     assert "run.sh: collecting the whole suite (tests/ and the doctests) on 2 processes ..." in done.stderr
     lines = [line for line in done.stdout.splitlines() if " passed in " in line and "elapsed]" in line]
-    assert sorted(line.split(":")[0] for line in lines) == ["tests/test_cli.py", "tests/test_force_kernels.py"], lines
+    assert sorted(line.split(":")[0] for line in lines) == ["tests/ops/test_force_kernels.py",
+                                                            "tests/tools/test_cli.py"], lines
 
 
 @pytest.mark.parametrize("workers", ["x", "0", "-2"])
 def test_a_bad_test_workers_value_is_refused_by_name(workers):
-    done = run_sh("test", "-q", "tests/test_config.py", TEST_WORKERS=workers, timeout=60)
+    done = run_sh("test", "-q", "tests/tome/test_config.py", TEST_WORKERS=workers, timeout=60)
     assert done.returncode == 2 and f"TEST_WORKERS must be an integer >= 1, got '{workers}'" in done.stderr, done.stderr
 
 

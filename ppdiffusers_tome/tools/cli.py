@@ -352,7 +352,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     # The one import inside a function, on purpose: the commands import Paddle and ppdiffusers (seconds), which
-    # ``--help`` and ``--version`` (answered by the parser above) must not wait for; tests/test_cli.py checks it.
+    # ``--help`` and ``--version`` (answered by the parser above) must not wait for; tests/tools/test_cli.py checks it.
     from .bench import commands
 
     configure_logging()  # after Paddle's import, which puts a timestamped handler on the root logger

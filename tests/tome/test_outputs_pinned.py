@@ -1,6 +1,6 @@
 """The UNet outputs of every configuration stay what they were when they were pinned.
 
-``tests/data/pinned_unet_outputs.npz`` holds the outputs of a tiny UNet (random weights, seed 0) patched with each
+``tests/tome/data/pinned_unet_outputs.npz`` holds the outputs of a tiny UNet (random weights, seed 0) patched with each
 configuration of :data:`CASES`, on the CPU kernels and on the GPU kernels (run on the CPU; with ``policy="tomesd"``
 unless the case sets the policy, so that every block of the tiny UNet merges there too). Release 0.8.1 wrote the
 first pins, which 0.9.0 reproduced bit for bit; 0.10.0 regenerated them on purpose (partitions drawn from 61 cached
@@ -8,7 +8,7 @@ variants, the merge added onto the kept rows instead of onto zeros, feature orde
 must leave every number as it was; a change that is meant to alter outputs regenerates the file on purpose, says so
 in its commit and in the changelog.
 
-Regenerate (on purpose only): ``bash run.sh python tests/test_outputs_pinned.py``.
+Regenerate (on purpose only): ``bash run.sh python tests/tome/test_outputs_pinned.py``.
 """
 
 from __future__ import annotations
@@ -169,6 +169,6 @@ def regenerate():
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     paddle.set_device("cpu")
     regenerate()

@@ -13,7 +13,7 @@ from ppdiffusers_tome.testing import tiny_unet
 from ppdiffusers_tome.tools.measure import count_forward_ops, count_ops, ops_added_per_block
 from tests.cases import F32_TOL, GLOBAL_CASES, partition_of, tie_free_metric
 from tests.numpy_reference import reference_merge, reference_plan, reference_round_trip
-from tests.test_gpu_kernels import unet_call
+from tests.ops.test_gpu_kernels import unet_call
 
 # kernels that add floats in an order a GPU does not fix (atomics): none may run in a deterministic merge
 ATOMIC_ADDS = ("index_add", "scatter", "scatter_nd_add", "put_along_axis", "index_put", "segment_pool")
@@ -117,7 +117,7 @@ def test_deterministic_option_reaches_the_blocks_and_changes_only_the_order_of_s
 
 
 def test_deterministic_gpu_branch_exports_with_a_dynamic_batch(gpu_kernels, tmp_path):
-    from tests.test_static_graph import DYNAMIC_SPEC, NoisePredictor, small_unet
+    from tests.tome.test_static_graph import DYNAMIC_SPEC, NoisePredictor, small_unet
 
     unet = small_unet()
     unet.apply_tome(ratio=0.5, deterministic=True, min_work=0)  # (a dynamic batch: decided for batch 2)

@@ -3,8 +3,6 @@
 step 0, threads keep separate histories, a copied transformer keeps its cache; and the refusals of what cannot be
 done (a fused ``INFERENCE_OPTIMIZE`` SD3, a static graph of a cached transformer, step programs) name the reason."""
 
-import copy
-import pickle
 
 import numpy as np
 import paddle
@@ -18,9 +16,8 @@ from ppdiffusers_tome.core.registry import hooks_of
 from ppdiffusers_tome.testing import tiny_sd3_pipeline, tiny_sd3_transformer
 from tests.conftest import generator
 from tests.test_sd3_model import NoisePredictor
-from tests.test_sd3_tome import forward, transformer_inputs
 from tests.thread_runs import alone_and_together
-from tests.unet_calls import hook_shape
+from tests.tome.test_sd3_tome import forward, transformer_inputs
 
 STEPS = 6
 
@@ -113,23 +110,6 @@ def test_threads_keep_separate_histories_on_one_cached_transformer():
     for a, b in zip(alone, together):
         for x, y in zip(a, b):
             np.testing.assert_array_equal(x, y)
-
-
-@pytest.mark.parametrize("copier", [lambda m: pickle.loads(pickle.dumps(m)), copy.deepcopy], ids=["pickle", "deepcopy"])
-def test_a_copy_of_a_cached_transformer_caches_the_same_and_removes_to_vanilla(copier):
-    model = tiny_sd3_transformer()
-    inputs = [transformer_inputs(batch=2, seed=s, timestep=t) for s, t in enumerate((900.0, 600.0))]
-    vanilla = forward(model, inputs[1])
-    ppdiffusers_tome.apply_cache(model, interval=3)
-    twin = copier(model)
-    assert get_cache(twin) is not None and get_cache(twin) is not get_cache(model)
-    assert get_cache(twin).config == get_cache(model).config and hook_shape(twin) == hook_shape(model)
-    expected = [forward(model, x) for x in inputs]
-    np.testing.assert_array_equal(np.stack([forward(twin, x) for x in inputs]), np.stack(expected))
-    ppdiffusers_tome.remove_cache(twin)
-    assert hooks_of(twin) is None
-    np.testing.assert_array_equal(forward(twin, inputs[1]), vanilla)
-    assert np.abs(expected[1] - vanilla).max() > 1e-5  # the second call was a cached one
 
 
 # refusals ------------------------------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """The step cache (``apply_cache``): vanilla at interval 1, the deep features of the last full step on the steps
-between (checked against a reference built from plain forward hooks), every pipeline kind, ControlNets, threads,
+between (checked against a reference built from plain forward hooks; every pipeline kind: tests/techniques/), threads,
 interrupted calls, composition with ToMe, bad options and static graphs."""
 
 
@@ -13,7 +13,6 @@ from ppdiffusers_tome.core.registry import hooks_of
 from ppdiffusers_tome.testing import tiny_sd_pipeline, tiny_unet
 from ppdiffusers_tome.tome.patch import get_patch
 from tests.conftest import run
-from tests.test_pipelines import KINDS, build
 from tests.thread_runs import alone_and_together
 from tests.unet_calls import step_sample
 
@@ -25,40 +24,6 @@ def counting(layer):
     calls = []
     handle = layer.register_forward_pre_hook(lambda *_: calls.append(1))
     return calls, handle
-
-
-def controlnets(pipe):
-    net = getattr(pipe, "controlnet", None)
-    return [] if net is None else list(getattr(net, "nets", [net]))
-
-
-@pytest.mark.parametrize("kind", KINDS)
-def test_interval_1_is_vanilla_bit_for_bit_and_interval_3_skips_the_deep_blocks(kind, init_image, mask_image):
-    pipe, call, _, patched = build(kind, init_image, mask_image)
-    vanilla = run(pipe, steps=STEPS, **call)
-    pipe.apply_cache(interval=1)
-    np.testing.assert_array_equal(run(pipe, steps=STEPS, **call), vanilla)
-    pipe.apply_cache(interval=3)
-    unet_deep = dict(deep_blocks(pipe.unet, 1))["down_blocks.1"]  # runs on full steps only
-    deep_calls, handle = counting(unet_deep.resnets[0])
-    # the first down block's downsampler feeds only deep blocks: its convolution runs on full steps only, in the UNet
-    # and in every ControlNet
-    samplers = [model.down_blocks[0].downsamplers[0].conv for model in [pipe.unet] + controlnets(pipe)]
-    sampler_calls = [counting(conv) for conv in samplers]
-    cached = run(pipe, steps=STEPS, **call)
-    for _, hook in sampler_calls + [(deep_calls, handle)]:
-        hook.remove()
-    status = ppdiffusers_tome.cache_status(pipe)
-    assert set(status) == patched  # the UNet and every ControlNet
-    steps_run = status["unet"]["calls"]
-    full = sum(CacheConfig(interval=3).is_full(i) for i in range(steps_run))
-    assert len(deep_calls) == full and status["unet"]["full_calls"] == full < steps_run
-    assert [len(calls) for calls, _ in sampler_calls] == [full] * len(samplers)
-    assert all(s["full_calls"] == full and s["cached_calls"] == steps_run - full for s in status.values())
-    assert cached.shape == vanilla.shape and np.isfinite(cached).all()
-    assert 0 < np.abs(cached - vanilla).max() < 1.0
-    pipe.remove_cache()
-    np.testing.assert_array_equal(run(pipe, steps=STEPS, **call), vanilla)
 
 
 def test_a_cached_step_equals_the_unet_with_its_deep_outputs_replaced_by_those_of_the_last_full_step():

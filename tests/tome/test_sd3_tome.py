@@ -1,13 +1,11 @@
 """ToMe on Stable Diffusion 3 (``SD3Transformer2DModel``, built from ``JointTransformerBlock``s): the image stream is
 merged before the joint attention (and, with ``merge_mlp``, before the image MLP) and unmerged after it, the text
 stream is left alone. Checked on the tiny offline SD3 models (the math attention processor, so on a CPU): token
-counts at the projections, one merged block against a float64 numpy forward, pipelines (txt2img, img2img; ratio 0
-and removal bit-identical), odd and non-square grids, a static graph with a dynamic batch, refused options,
-threads, copies and the status functions. ToDo on SD3: tests/test_sd3_todo.py."""
+counts at the projections, one merged block against a float64 numpy forward, pipelines (merging, ratio 0, removal and
+copies on SD3: tests/techniques/test_tome.py), odd and non-square grids, a static graph with a dynamic batch, refused options,
+threads and the status functions. ToDo on SD3: tests/tome/test_sd3_todo.py."""
 
-import copy
 import math
-import pickle
 import threading
 
 import numpy as np
@@ -271,28 +269,6 @@ def test_in_call_keys_the_random_partition_by_its_timestep_as_a_model_call_does(
     assert not np.array_equal(in_model[900.0], in_model[100.0])  # the partition depends on the timestep
 
 
-# pipelines -----------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("kind", ["txt2img", "img2img"])
-def test_pipelines_merge_and_ratio_0_and_removal_are_bit_identical_to_vanilla(kind):
-    pipe = tiny_sd3_pipeline(kind)
-    kwargs = dict(image=init_picture(), strength=0.75, steps=4) if kind == "img2img" else {}
-    denoising_steps = 3  # (img2img: int(4 * 0.75))
-    unpatched = hook_shape(pipe.transformer)
-    vanilla = call(pipe, **kwargs)
-    pipe.apply_tome(ratio=0.5)
-    merged = call(pipe, **kwargs)
-    stats = ppdiffusers_tome.tome_stats(pipe)["transformer"]
-    assert stats["calls"] == denoising_steps and stats["merges"] == 3 * denoising_steps > 0
-    assert merged.shape == vanilla.shape == (1, SIZE, SIZE, 3) and np.isfinite(merged).all()
-    assert 0 < np.abs(merged - vanilla).max() < 1.0
-    pipe.apply_tome(ratio=0.0)
-    np.testing.assert_array_equal(call(pipe, **kwargs), vanilla)
-    assert ppdiffusers_tome.tome_stats(pipe)["transformer"]["merges"] == 0
-    pipe.remove_tome()
-    assert get_patch(pipe.transformer) is None and hook_shape(pipe.transformer) == unpatched
-    np.testing.assert_array_equal(call(pipe, **kwargs), vanilla)
-
-
 # odd and non-square grids, a dynamic batch -------------------------------------------------------------------------
 @pytest.mark.parametrize("latent_hw", [(18, 26), (10, 6), (12, 20)], ids=["odd-9x13", "odd-5x3", "wide-6x10"])
 def test_odd_and_non_square_patch_grids_merge(latent_hw):
@@ -366,7 +342,7 @@ def test_a_dynamic_latent_size_is_refused_by_name_at_export(options, tmp_path):
 # refusals --------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("options, named", [(dict(merge_crossattn=True), "merge_crossattn")], ids=["merge_crossattn"])
 def test_options_without_meaning_on_sd3_are_refused_by_name_before_anything_changes(options, named):
-    """(``method="todo"`` works on SD3 since 0.13.0: tests/test_sd3_todo.py.)"""
+    """(``method="todo"`` works on SD3 since 0.13.0: tests/tome/test_sd3_todo.py.)"""
     pipe = tiny_sd3_pipeline()
     unpatched = hook_shape(pipe.transformer)
     with pytest.raises(ValueError, match=named):
@@ -424,27 +400,6 @@ def test_two_threads_calling_one_patched_transformer_each_get_the_single_thread_
         for out in results[k]:
             np.testing.assert_array_equal(out, expected[k])
     assert ppdiffusers_tome.tome_stats(model)[MODEL]["calls"] == 2 + 6
-
-
-@pytest.mark.parametrize("copier", [lambda m: pickle.loads(pickle.dumps(m)), copy.deepcopy], ids=["pickle", "deepcopy"])
-def test_a_copy_of_a_patched_transformer_computes_the_same(copier):
-    model = tiny_sd3_transformer()
-    inputs = transformer_inputs(batch=2, seed=4)
-    vanilla = forward(model, inputs)
-    ppdiffusers_tome.apply_tome(model, ratio=0.5, merge_mlp=True)
-    patched = forward(model, inputs)
-    assert np.abs(patched - vanilla).max() > 1e-4
-
-    twin = copier(model)
-
-    patch, twin_patch = get_patch(model), get_patch(twin)
-    assert twin_patch is not None and twin_patch is not patch and twin_patch.model is twin
-    assert twin_patch.config == patch.config and hook_shape(twin) == hook_shape(model)
-    np.testing.assert_array_equal(forward(twin, inputs), patched)
-    ppdiffusers_tome.remove_tome(twin)
-    np.testing.assert_array_equal(forward(twin, inputs), vanilla)
-    np.testing.assert_array_equal(forward(model, inputs), patched)  # the original keeps its patch
-    assert get_patch(model) is patch
 
 
 # status ------------------------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from ppdiffusers_tome.presets import available_presets, default_resolution, load
 from ppdiffusers_tome.tools.cli import main
 from ppdiffusers_tome.tools.images import MIN_TILE, row_layout
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # subprocesses import this checkout's package, whatever the environment's editable install points at
 REPO_ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, *filter(None, [os.environ.get("PYTHONPATH")])]))
 TINY = ["--preset", "tiny", "--resolution", "32", "--steps", "2", "--threads", "1"]

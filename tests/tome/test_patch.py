@@ -105,28 +105,6 @@ def test_an_error_inside_a_patched_forward_leaves_the_model_usable():
 
 
 # lifecycle: copies, many cycles, threads, changes mid-generation ---------------------------------------------------
-def test_deepcopy_of_a_patched_model_is_patched_independently():
-    import copy
-
-    unet = tiny_unet()
-    inputs = unet_inputs(unet)
-    with paddle.no_grad():
-        vanilla = unet(*inputs).sample.numpy()
-    ppdiffusers_tome.apply_tome(unet, ratio=0.5)
-    with paddle.no_grad():
-        merged = unet(*inputs).sample.numpy()
-    twin = copy.deepcopy(unet)
-    assert get_patch(twin) is not None and get_patch(twin) is not get_patch(unet) and get_patch(twin).model is twin
-    with paddle.no_grad():
-        np.testing.assert_array_equal(twin(*inputs).sample.numpy(), merged)
-    ppdiffusers_tome.remove_tome(twin)
-    with paddle.no_grad():
-        np.testing.assert_array_equal(twin(*inputs).sample.numpy(), vanilla)
-        np.testing.assert_array_equal(unet(*inputs).sample.numpy(), merged)  # the original is still patched
-    ppdiffusers_tome.remove_tome(unet)
-    assert hook_counts(twin) == hook_counts(unet) == hook_counts(tiny_unet())
-
-
 def test_many_apply_remove_cycles_leave_nothing_behind():
     import gc
     import weakref

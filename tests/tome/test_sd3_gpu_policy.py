@@ -28,7 +28,7 @@ from ppdiffusers_tome.tome.patch import get_patch
 from ppdiffusers_tome.tome.policy import JOINT_MERGE_MIN_WORK, JOINT_MIN_WORK
 from ppdiffusers_tome.tools.measure import TransferCounter
 from tests.test_sd3_model import NoisePredictor
-from tests.test_sd3_tome import (
+from tests.tome.test_sd3_tome import (
     LATENT_CHANNELS,
     MODEL,
     POOLED_CHANNELS,
@@ -246,7 +246,7 @@ def test_merging_at_1024_px_plans_once_per_call_so_later_sd3_blocks_add_at_most_
 
 # what the downsampling computes, and that no Python decision reads a tensor value -----------------------------------
 def test_the_policys_sd3_downsampling_is_todo_with_factor_2_nearest_on_the_same_blocks():
-    # ToDo on SD3 is checked against a float64 numpy forward in tests/test_sd3_todo.py; min_work=0 lets the policy
+    # ToDo on SD3 is checked against a float64 numpy forward in tests/tome/test_sd3_todo.py; min_work=0 lets the policy
     # downsample at this small size
     inputs = transformer_inputs(batch=2, latent_hw=(16, 20), seed=9)
     outputs = []

@@ -3,7 +3,7 @@ values are projected from the image tokens downsampled on the patch grid, every 
 stream is unchanged. Checked on the tiny offline SD3 models: one block against a float64 numpy forward, the number
 of keys that reach the attention core, both attention cores (the math path and ppdiffusers' GPU function), both
 kernel families and the policy, odd and non-square grids, pipelines, removal, status and refusals (the static graph
-with a dynamic batch: tests/test_sd3_tome.py)."""
+with a dynamic batch: tests/tome/test_sd3_tome.py)."""
 
 import numpy as np
 import paddle
@@ -19,7 +19,7 @@ from ppdiffusers_tome.tome.decision import Settings, decide_block, grid_of
 from ppdiffusers_tome.tome.patch import find_blocks, get_patch
 from ppdiffusers_tome.tome.policy import JOINT_MIN_WORK
 from tests.test_sd3_model import linear64
-from tests.test_sd3_tome import (
+from tests.tome.test_sd3_tome import (
     LATENT_CHANNELS,
     WIDTH,
     ada_norm_continuous64,
@@ -27,7 +27,6 @@ from tests.test_sd3_tome import (
     call,
     feed_forward64,
     forward,
-    init_picture,
     layer_norm64,
     transformer_inputs,
 )
@@ -230,34 +229,6 @@ def test_the_default_gpu_policy_skips_small_sd3_blocks_and_runs_todo_above_joint
 
 
 # pipelines, removal, status, refusals -----------------------------------------------------------------------------
-@pytest.mark.parametrize("kind", ["txt2img", "img2img"])
-def test_pipeline_apply_tome_todo_runs_and_removal_is_bit_identical_to_vanilla(kind):
-    pipe = tiny_sd3_pipeline(kind)
-    assert type(pipe).__name__ == ("StableDiffusion3Pipeline" if kind == "txt2img" else
-                                   "StableDiffusion3Img2ImgPipeline")
-    kwargs = dict(image=init_picture(), strength=0.75, steps=4) if kind == "img2img" else {}
-    denoising_steps = 3  # (img2img: int(4 * 0.75))
-    processors = pipe.transformer.attn_processors
-    unpatched = hook_shape(pipe.transformer)
-    vanilla = call(pipe, **kwargs)
-    pipe.apply_tome(method="todo")
-    status = ppdiffusers_tome.tome_status(pipe)["transformer"]
-    assert status["active"] == "ppdiffusers_tome" and status["blocks"] == 3
-    assert status["settings"]["method"] == "todo" and status["settings"]["downsample_factor"] == 2
-    todo = call(pipe, **kwargs)
-    stats = ppdiffusers_tome.tome_stats(pipe)["transformer"]
-    assert stats["calls"] == denoising_steps and stats["merges"] == 3 * denoising_steps
-    assert stats["plans_computed"] == 0  # nothing is matched
-    assert ppdiffusers_tome.tome_status(pipe)["transformer"]["policy"][64]["action"] == "merge"
-    assert todo.shape == vanilla.shape and np.isfinite(todo).all() and 0 < np.abs(todo - vanilla).max() < 1.0
-    pipe.remove_tome()
-    assert get_patch(pipe.transformer) is None and hook_shape(pipe.transformer) == unpatched
-    after = pipe.transformer.attn_processors
-    assert all(after[name] is processors[name] for name in processors)
-    np.testing.assert_array_equal(call(pipe, **kwargs), vanilla)
-    assert ppdiffusers_tome.tome_status(pipe)["transformer"]["active"] is None
-
-
 def test_todo_refuses_a_joint_layer_with_a_processor_it_does_not_know_before_anything_changes():
     model = tiny_sd3_transformer()
     model.transformer_blocks[1].attn.set_processor(AttnProcessor())

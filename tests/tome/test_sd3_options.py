@@ -2,7 +2,7 @@
 stream (strides, a fixed or a seeded random partition, ratio schedules, plan reuse across steps, a plan shared by
 the blocks of a call, matching windows), checked on the plan a block actually used; and the GPU policy's choice for
 plain ToMe on joint blocks (it skips the small ones and downsamples the image keys and values of the large ones
-instead of merging; more in tests/test_sd3_gpu_policy.py). Checked on the tiny offline SD3 transformer with the math
+instead of merging; more in tests/tome/test_sd3_gpu_policy.py). Checked on the tiny offline SD3 transformer with the math
 attention processor."""
 
 import numpy as np
@@ -16,7 +16,7 @@ from ppdiffusers_tome.tome.decision import Settings, decide_block, grid_of
 from ppdiffusers_tome.tome.patch import find_blocks, get_patch
 from ppdiffusers_tome.tome.policy import JOINT_MIN_WORK
 from tests.numpy_reference import reference_plan
-from tests.test_sd3_tome import LATENT_CHANNELS, MODEL, WIDTH, forward, transformer_inputs
+from tests.tome.test_sd3_tome import LATENT_CHANNELS, MODEL, WIDTH, forward, transformer_inputs
 
 GRID = (6, 8)  # a non-square patch grid: 48 image tokens
 
