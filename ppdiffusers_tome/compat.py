@@ -1,4 +1,4 @@
-"""The import paths of 0.14 that moved in 0.15, kept working for one release (they go in 0.16).
+"""The import paths of 0.14 that moved in 0.15, kept working until 0.17 (0.15.0 announced 0.16).
 
 0.15 put the modules of each technique in a folder of its own (``core/``, ``tome/``, ``cache/``). An old path still
 imports, with a ``FutureWarning`` naming the new one: a moved module is the new module itself (the same object, so
@@ -9,8 +9,8 @@ that hold their names now. Objects
 pickled by 0.14 load through the same paths. This module imports nothing of the package until an old path is asked
 for, and ``import ppdiffusers_tome`` installs it.
 
-Names renamed after 0.15.0 (one meaning per word: one set of action constants, :class:`~ppdiffusers_tome.tome.actions.
-Action`, and distinct names for what each function decides) are kept for one more release the same way, in
+Names renamed in 0.16.0 (one meaning per word: one set of action constants, :class:`~ppdiffusers_tome.tome.actions.
+Action`, and distinct names for what each function decides) are kept until 0.17 the same way, in
 :data:`RENAMED` (module attributes, through the module's ``__getattr__``) and :data:`RENAMED_METHODS`.
 
 >>> import warnings
@@ -69,7 +69,7 @@ RENAMED: Dict[str, Dict[str, Tuple[str, str]]] = {
 # (class, old method name) -> the method's name now
 RENAMED_METHODS: Dict[Tuple[str, str], str] = {("Policy", "decide"): "choose_plan",
                                                 ("Policy", "decide_shape"): "choose_plan_for"}
-_RENAMED_WHEN = "after ppdiffusers_tome 0.15.0; the old name works for one more release"
+_RENAMED_WHEN = "since ppdiffusers_tome 0.16.0; the old name works until 0.17"
 
 
 def renamed(module: str, name: str) -> object:
@@ -141,7 +141,7 @@ class _OldPaths(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def create_module(self, spec):  # noqa: ANN001
         warnings.warn(f"{spec.name} moved to {new_path(spec.name)} in ppdiffusers_tome 0.15; the old path works "
-                      "until 0.16", FutureWarning, stacklevel=2)
+                      "until 0.17", FutureWarning, stacklevel=2)
         if spec.name in MOVED:
             module = importlib.import_module(MOVED[spec.name])
             self._own_specs[module.__name__] = module.__spec__  # the import system sets the old path's spec on it

@@ -187,7 +187,7 @@ class Policy:
         self._decisions[key] = decision
         return decision
 
-    # the names of 0.15.0 and before, kept for one more release (see ppdiffusers_tome.compat.RENAMED_METHODS)
+    # the names of 0.15.0 and before, kept until 0.17 (see ppdiffusers_tome.compat.RENAMED_METHODS)
     decide = property(lambda self: _renamed_method(self, "decide"))
     decide_shape = property(lambda self: _renamed_method(self, "decide_shape"))
 

@@ -21,12 +21,15 @@ noise levels sampling visits; the transformer, given ``t = 1000 s``, predicts ``
 The transformer and both text encoders are trained jointly (10 % of the captions replaced by the empty prompt, for
 classifier-free guidance); an exponential moving average of the transformer is what is saved. Seeding, the time
 budget, ``--max-steps``, ``--lr-decay`` and the periodic saves follow :mod:`research.shapes.train` (its docstring
-says how to reproduce shipped weights); the output folder gets the pipeline and ``train_log.json``.
+says how to reproduce shipped weights); the output folder gets the pipeline and ``train_log.json``. ``--init-from``
+continues from a folder this trainer wrote (its saved weights, a fresh optimizer and average, the dataset's images
+after the ones that run saw): the shipped weights are a constant-rate run followed by a cosine-decayed one.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import time
@@ -149,7 +152,7 @@ class SD3TrainConfig:
 
     def __init__(self, minutes: float = 60.0, seed: int = 0, batch_size: int = 8, lr: float = 5e-4,
                  max_steps: Optional[int] = None, threads: Optional[int] = None, save_every_minutes: float = 5.0,
-                 lr_decay: str = "auto") -> None:
+                 lr_decay: str = "auto", init_from: str = "") -> None:
         if not minutes > 0:
             raise ValueError(f"minutes must be > 0; got {minutes}")
         if batch_size < 1:
@@ -163,6 +166,9 @@ class SD3TrainConfig:
         self.minutes, self.seed, self.batch_size, self.lr = float(minutes), int(seed), int(batch_size), float(lr)
         self.max_steps, self.threads, self.save_every_minutes = max_steps, threads, float(save_every_minutes)
         self.lr_decay = lr_decay
+        if init_from and not os.path.isfile(os.path.join(init_from, "train_log.json")):
+            raise ValueError(f"init_from must be a folder this trainer wrote (with train_log.json); got {init_from!r}")
+        self.init_from = init_from
 
     def as_dict(self) -> Dict[str, Any]:
         return dict(vars(self))
@@ -190,8 +196,17 @@ def train_sd3(output: str, config: Optional[SD3TrainConfig] = None,
     pipe = build_sd3_pipeline(seed=config.seed)
     models = {"transformer": pipe.transformer, "text_encoder": pipe.text_encoder,
               "text_encoder_2": pipe.text_encoder_2}
+    first_index = 0  # the dataset index of the first image: a continued run goes on where its start stopped
+    if config.init_from:
+        start_pipe = load_sd3_folder(config.init_from)
+        for name, model in models.items():
+            model.set_state_dict(getattr(start_pipe, name).state_dict())
+        with open(os.path.join(config.init_from, "train_log.json"), encoding="utf-8") as f:
+            start_log = json.load(f)
+        first_index = start_log.get("first_index", 0) + len(start_log["steps"]) * start_log["settings"]["batch_size"]
     scaling = float(pipe.vae.config.scaling_factor)
     log: Dict[str, Any] = {"settings": dict(config.as_dict(), threads=threads), "scaling_factor": scaling,
+                           "first_index": first_index,
                            "parameters": {k: int(sum(int(p.numel()) for p in m.parameters()))
                                           for k, m in models.items()}, "steps": []}
     parameters = [p for m in models.values() for p in m.parameters()]
@@ -204,8 +219,8 @@ def train_sd3(output: str, config: Optional[SD3TrainConfig] = None,
     end, last_save, step, step_seconds = start + config.minutes * 60.0, clock(), 0, 0.0
     while (config.max_steps is None or step < config.max_steps) and clock() + step_seconds <= end:
         began = clock()
-        images, captions, _ = dataset.batch(range(step * config.batch_size, (step + 1) * config.batch_size),
-                                            seed=config.seed)
+        first = first_index + step * config.batch_size
+        images, captions, _ = dataset.batch(range(first, first + config.batch_size), seed=config.seed)
         captions = ["" if rng.random() < CAPTION_DROPOUT else c for c in captions]
         with paddle.no_grad():
             latents = pipe.vae.encode(paddle.to_tensor(images)).latent_dist.mean * scaling
@@ -245,6 +260,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="auto: cosine to 10%% with --max-steps, constant with a time budget only")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
     parser.add_argument("--save-every", type=float, default=5.0, help="minutes between saves (default 5)")
+    parser.add_argument("--init-from", default="",
+                        help="start from the weights of a folder this trainer wrote (its EMA), on the images after its")
     parser.add_argument("--preview", default="", help="also write a preview picture (PNG) here")
     return parser
 
@@ -256,7 +273,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         config = SD3TrainConfig(minutes=args.minutes, seed=args.seed, batch_size=args.batch_size, lr=args.lr,
                                 max_steps=args.max_steps, threads=args.threads, save_every_minutes=args.save_every,
-                                lr_decay=args.lr_decay)
+                                lr_decay=args.lr_decay, init_from=args.init_from)
     except ValueError as error:
         _parser().error(str(error))
     log = train_sd3(args.output, config)
