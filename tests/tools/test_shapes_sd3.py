@@ -13,8 +13,9 @@ from ppdiffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipelin
 
 from ppdiffusers_tome.sd3_attention import JointMathAttnProcessor, use_math_attention
 from ppdiffusers_tome.tools import shapes as shipped
-from research.shapes import dataset, scoring, sd3
-from research.shapes.classifier import HEADS, accuracy
+from research.shapes import dataset, sd3
+
+from .shapes_scores import generate, held_out, mean_accuracy
 
 # Classifier accuracy on FIXED_PROMPTS held-out captions at STEPS steps (chance: 1/6 for the background, 0.15 for the
 # mean of the four heads). BACKGROUND_THRESHOLD and ACCURACY_THRESHOLD sit below what the shipped weights scored when
@@ -131,25 +132,17 @@ def test_shipped_sd3_loads_offline_and_runs_on_the_math_attention():
 
 
 def _generate(pipe, prompts):
-    out = pipe(prompts, num_inference_steps=STEPS, guidance_scale=shipped.SD3_DEMO_GUIDANCE, height=64, width=64,
-               generator=paddle.Generator().manual_seed(0), output_type="np").images
-    return np.asarray(out, dtype=np.float32).transpose(0, 3, 1, 2) * 2.0 - 1.0
+    return generate(pipe, prompts, STEPS, shipped.SD3_DEMO_GUIDANCE)
 
 
 @pytest.fixture(scope="module")
 def fixed():
-    prompts, labels, _ = scoring.held_out_prompts(FIXED_PROMPTS)
-    return prompts, scoring.label_targets(labels), scoring.load_trained_classifier()
-
-
-def _scores(model, images, targets):
-    scores = accuracy(model, images, targets)
-    return float(np.mean([scores[h] for h in HEADS])), scores
+    return held_out(FIXED_PROMPTS)
 
 
 def test_trained_sd3_draws_the_background_the_caption_names(fixed):
     prompts, targets, model = fixed
-    mean, scores = _scores(model, _generate(shipped.load_sd3_pipeline(), prompts), targets)
+    mean, scores = mean_accuracy(model, _generate(shipped.load_sd3_pipeline(), prompts), targets)
     assert scores["background"] >= BACKGROUND_THRESHOLD and mean >= ACCURACY_THRESHOLD, scores
 
 
@@ -157,7 +150,7 @@ def test_random_sd3_weights_do_not_reach_the_thresholds(fixed):
     prompts, targets, model = fixed
     half = FIXED_PROMPTS // 2
     pipe = sd3.build_sd3_pipeline(seed=1)
-    mean, scores = _scores(model, _generate(pipe, prompts[:half]), {h: t[:half] for h, t in targets.items()})
+    mean, scores = mean_accuracy(model, _generate(pipe, prompts[:half]), {h: t[:half] for h, t in targets.items()})
     assert scores["background"] < BACKGROUND_THRESHOLD and mean < ACCURACY_THRESHOLD, scores
 
 
@@ -167,6 +160,6 @@ def test_tome_on_the_trained_sd3_merges_and_still_draws_the_background(fixed):
     prompts, targets, model = fixed
     pipe = shipped.load_sd3_pipeline()
     pipe.apply_tome(ratio=0.5)
-    mean, scores = _scores(model, _generate(pipe, prompts), targets)
+    mean, scores = mean_accuracy(model, _generate(pipe, prompts), targets)
     assert ppdiffusers_tome.tome_stats(pipe)["transformer"]["merges"] > 0
     assert scores["background"] >= BACKGROUND_THRESHOLD, scores

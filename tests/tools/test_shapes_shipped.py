@@ -5,12 +5,13 @@ the classifier reads it back, where the same architecture with random weights ca
 import json
 import os
 
-import numpy as np
 import pytest
 
 from ppdiffusers_tome.tools import shapes as shipped
 from research.shapes import scoring
 from research.shapes.classifier import HEADS, accuracy
+
+from .shapes_scores import generate, held_out, mean_accuracy
 
 # Mean classifier accuracy over the four heads on FIXED_PROMPTS (see test_trained_model_draws_what_the_caption_says):
 # chance is 1/5, 1/8, 1/9 and 1/6 for shape, colour, position and background (0.15 on average). Measured when the
@@ -73,27 +74,17 @@ def test_shipped_classifier_reads_real_held_out_images():
 
 
 def _generate(pipe, prompts):
-    import paddle
-
-    out = pipe(prompts, num_inference_steps=STEPS, guidance_scale=shipped.DEMO_GUIDANCE, height=64, width=64,
-               generator=paddle.Generator().manual_seed(0), output_type="np").images
-    return np.asarray(out, dtype=np.float32).transpose(0, 3, 1, 2) * 2.0 - 1.0
+    return generate(pipe, prompts, STEPS, shipped.DEMO_GUIDANCE)
 
 
 @pytest.fixture(scope="module")
 def fixed():
-    prompts, labels, _ = scoring.held_out_prompts(FIXED_PROMPTS)
-    return prompts, scoring.label_targets(labels), scoring.load_trained_classifier()
-
-
-def _mean_accuracy(model, images, targets):
-    scores = accuracy(model, images, targets)
-    return float(np.mean([scores[h] for h in HEADS])), scores
+    return held_out(FIXED_PROMPTS)
 
 
 def test_trained_model_draws_what_the_caption_says(fixed):
     prompts, targets, model = fixed
-    trained, scores = _mean_accuracy(model, _generate(shipped.load_pipeline(), prompts), targets)
+    trained, scores = mean_accuracy(model, _generate(shipped.load_pipeline(), prompts), targets)
     assert trained >= ACCURACY_THRESHOLD and scores["background"] >= BACKGROUND_THRESHOLD, scores
 
 
@@ -104,7 +95,7 @@ def test_random_weights_cannot_reach_the_threshold(fixed):
     pipe = build_pipeline(seed=1)  # (one draw of random weights: each of three scored 0.10 when the weights shipped)
     pipe.set_progress_bar_config(disable=True)
     half = FIXED_PROMPTS // 2  # the first half of the captions: far below the threshold, at half the cost
-    untrained, scores = _mean_accuracy(model, _generate(pipe, prompts[:half]),
+    untrained, scores = mean_accuracy(model, _generate(pipe, prompts[:half]),
                                        {head: indices[:half] for head, indices in targets.items()})
     assert untrained < ACCURACY_THRESHOLD and scores["background"] < BACKGROUND_THRESHOLD, scores
 
@@ -115,6 +106,6 @@ def test_tome_on_the_trained_model_still_draws_the_caption(fixed):
     prompts, targets, model = fixed
     pipe = shipped.load_pipeline()
     pipe.apply_tome(ratio=0.5)
-    merged, scores = _mean_accuracy(model, _generate(pipe, prompts), targets)
+    merged, scores = mean_accuracy(model, _generate(pipe, prompts), targets)
     assert ppdiffusers_tome.tome_stats(pipe)["unet"]["merges"] > 0  # it really merged
     assert merged >= ACCURACY_THRESHOLD and scores["background"] >= BACKGROUND_THRESHOLD, scores
