@@ -13,6 +13,7 @@ import paddle
 
 from ... import api
 from ...cache.step_cache import CONFIG_FIELDS as CACHE_FIELDS, CacheConfig, apply_cache, remove_cache
+from ...ops import MergePlan
 from ...sd3_attention import joint_attention_layers
 from ...tome.config import ToMeConfig
 from ...tome.patch import ModelPatch
@@ -39,6 +40,8 @@ class TruncationPlan:
     def unmerge(self, y: paddle.Tensor) -> paddle.Tensor:
         pad = paddle.zeros([y.shape[0], self.r, y.shape[2]], dtype=y.dtype)
         return paddle.concat([y, pad], axis=1)
+
+    run_sublayer = MergePlan.run_sublayer  # truncate, run the sub-layer, pad back: as a merge plan runs it
 
 
 class BoundPlanner(Planner):
