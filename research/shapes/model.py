@@ -36,7 +36,7 @@ import tempfile
 from typing import Any, Dict, Iterable, List, Tuple
 
 from ppdiffusers_tome.tools.pipelines import _NO_SAFETY_CHECKER
-from ppdiffusers_tome.tools.tiny import _byte_symbols, _libs
+from ppdiffusers_tome.tools.tiny import _byte_symbols, _libs, tiny_text_encoder
 from .dataset import VOCABULARY
 
 __all__ = [
@@ -174,20 +174,10 @@ def build_tokenizer(max_length: int = MAX_LENGTH):
     return transformers.CLIPTokenizer(**_tokenizer_files(), max_len=max_length, model_max_length=max_length)
 
 
-def build_text_encoder(vocab_size: int, seed: int = 0):
-    """A 2-layer ``CLIPTextModel`` (:data:`TEXT_CONFIG`) with random weights drawn from ``seed``."""
-    paddle, _, transformers = _libs()
-    config = transformers.CLIPTextConfig(
-        vocab_size=vocab_size,
-        max_position_embeddings=MAX_LENGTH,
-        projection_dim=TEXT_CONFIG["hidden_size"],
-        bos_token_id=vocab_size - 2,
-        eos_token_id=vocab_size - 1,
-        pad_token_id=vocab_size - 1,
-        **TEXT_CONFIG,
-    )
-    paddle.seed(seed)
-    return transformers.CLIPTextModel(config)
+def build_text_encoder(vocab_size: int, seed: int = 0, projection: bool = False):
+    """A 2-layer ``CLIPTextModel`` (:data:`TEXT_CONFIG`; ``CLIPTextModelWithProjection`` with ``projection``, as
+    SD3's encoders) with random weights drawn from ``seed``."""
+    return tiny_text_encoder(vocab_size, max_length=MAX_LENGTH, projection=projection, seed=seed, **TEXT_CONFIG)
 
 
 def build_unet(seed: int = 0):

@@ -9,7 +9,8 @@ Parts, all ppdiffusers' own classes:
 * **An ``SD3Transformer2DModel``** (:data:`TRANSFORMER_CONFIG`): 6 joint blocks (the last ``context_pre_only``, as
   SD3), width 96 (2 heads of 48), patch 2, so a 64 x 64 image is 16 x 16 = 256 image tokens; 2.0 M parameters.
   Sized for the CPU: a training step of 8 images takes about 0.6 s on 2 cores.
-* **Two CLIP text encoders with projection** (2 layers, width 64; :data:`TEXT_CONFIG`) sharing the UNet model's
+* **Two CLIP text encoders with projection** (the UNet model's encoder, :data:`research.shapes.model.TEXT_CONFIG`: 2
+  layers, width 64, here with its projection) sharing the UNet model's
   word-level tokenizer (:func:`research.shapes.model.build_tokenizer`), and no T5 (``text_encoder_3=None``: the
   pipeline puts zero tokens in its place). The text stream is 20 CLIP tokens (both encoders' penultimate states side
   by side, 128 channels = ``joint_attention_dim``) plus 20 zero tokens; the pooled input is the two projections.
@@ -38,12 +39,12 @@ from typing import Any, Callable, Dict, Optional, Sequence
 import numpy as np
 
 from . import dataset
-from .model import build_tokenizer
-from .train import CAPTION_DROPOUT, _Ema, _save, _short, learning_rate_factor
+from .model import build_text_encoder, build_tokenizer
+from .train import CAPTION_DROPOUT, _Ema, _save, _short, learning_rate_factor, write_preview
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TRANSFORMER_CONFIG", "TEXT_CONFIG", "SHIFT", "build_sd3_pipeline", "load_shapes_vae", "sample_sigmas",
+__all__ = ["TRANSFORMER_CONFIG", "SHIFT", "build_sd3_pipeline", "load_shapes_vae", "sample_sigmas",
            "flow_loss", "SD3TrainConfig", "train_sd3", "main"]
 
 TRANSFORMER_CONFIG: Dict[str, Any] = {
@@ -59,8 +60,6 @@ TRANSFORMER_CONFIG: Dict[str, Any] = {
     "pooled_projection_dim": 128,
     "pos_embed_max_size": 16,
 }
-TEXT_CONFIG: Dict[str, Any] = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-                               "num_attention_heads": 4}
 SHIFT = 3.0
 
 
@@ -76,17 +75,6 @@ def load_shapes_vae(folder: str = ""):
     for param in vae.parameters():
         param.stop_gradient = True
     return vae
-
-
-def _text_encoder(vocab_size: int, max_length: int, seed: int):
-    import paddle
-    from ppdiffusers.transformers import CLIPTextConfig, CLIPTextModelWithProjection
-
-    config = CLIPTextConfig(vocab_size=vocab_size, max_position_embeddings=max_length,
-                            projection_dim=TEXT_CONFIG["hidden_size"], bos_token_id=vocab_size - 2,
-                            eos_token_id=vocab_size - 1, pad_token_id=vocab_size - 1, **TEXT_CONFIG)
-    paddle.seed(seed)
-    return CLIPTextModelWithProjection(config)
 
 
 def build_sd3_pipeline(vae=None, seed: int = 0):
@@ -110,8 +98,8 @@ def build_sd3_pipeline(vae=None, seed: int = 0):
     pipe = StableDiffusion3Pipeline(
         transformer=transformer, vae=vae if vae is not None else load_shapes_vae(),
         scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=SHIFT),
-        text_encoder=_text_encoder(vocab, tokenizer.model_max_length, seed + 2), tokenizer=tokenizer,
-        text_encoder_2=_text_encoder(vocab, tokenizer.model_max_length, seed + 3), tokenizer_2=tokenizer,
+        text_encoder=build_text_encoder(vocab, seed + 2, projection=True), tokenizer=tokenizer,
+        text_encoder_2=build_text_encoder(vocab, seed + 3, projection=True), tokenizer_2=tokenizer,
         text_encoder_3=None, tokenizer_3=None)
     use_math_attention(pipe)
     for model in (pipe.transformer, pipe.text_encoder, pipe.text_encoder_2):
@@ -198,7 +186,9 @@ def train_sd3(output: str, config: Optional[SD3TrainConfig] = None,
               "text_encoder_2": pipe.text_encoder_2}
     first_index = 0  # the dataset index of the first image: a continued run goes on where its start stopped
     if config.init_from:
-        start_pipe = load_sd3_folder(config.init_from)
+        from ppdiffusers_tome.presets import load_local_pipeline
+
+        start_pipe = load_local_pipeline(config.init_from)
         for name, model in models.items():
             model.set_state_dict(getattr(start_pipe, name).state_dict())
         with open(os.path.join(config.init_from, "train_log.json"), encoding="utf-8") as f:
@@ -278,25 +268,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         _parser().error(str(error))
     log = train_sd3(args.output, config)
     if args.preview:
-        from .train import preview
+        from ppdiffusers_tome.presets import load_local_pipeline
 
-        picture, _ = preview(load_sd3_folder(args.output))
-        picture.resize((picture.width * 2, picture.height * 2), 0).save(args.preview)
+        write_preview(load_local_pipeline(args.output), args.preview)
     logger.info("saved %s: %d steps in %.0f s, last loss %s", args.output, len(log["steps"]), log["seconds"],
                 log["steps"][-1]["loss"] if log["steps"] else "n/a")
     return 0
-
-
-def load_sd3_folder(folder: str):
-    """A saved SD3 shapes pipeline from ``folder``, offline, on the math attention, progress bar off."""
-    from ppdiffusers import StableDiffusion3Pipeline
-
-    from ppdiffusers_tome.sd3_attention import use_math_attention
-
-    pipe = StableDiffusion3Pipeline.from_pretrained(folder, text_encoder_3=None, tokenizer_3=None)
-    use_math_attention(pipe)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
 
 
 if __name__ == "__main__":

@@ -56,7 +56,7 @@ from .model import MAX_LENGTH, build_pipeline, count_parameters
 logger = logging.getLogger(__name__)
 
 __all__ = ["TrainConfig", "train", "diffusion_loss", "snr_weights", "vae_loss", "encode_prompts",
-           "learning_rate_factor", "preview", "main"]
+           "learning_rate_factor", "preview", "write_preview", "main"]
 
 CAPTION_DROPOUT = 0.1
 KL_WEIGHT = 1e-4
@@ -363,6 +363,13 @@ def preview(pipe, count: int = 8, steps: int = 20, seed: int = 999, guidance_sca
     return dataset.grid(real + generated, columns=count), captions
 
 
+def write_preview(pipe, path: str) -> None:
+    """Save :func:`preview`'s picture of ``pipe``, at twice its size, as a PNG at ``path``; log its captions."""
+    picture, captions = preview(pipe)
+    picture.resize((picture.width * 2, picture.height * 2), 0).save(path)
+    logger.info("preview %s: %s", path, " | ".join(captions))
+
+
 def learning_rate_factor(step: int, total: Optional[int]) -> float:
     """The UNet's learning rate at ``step`` as a fraction of ``unet_lr``: a linear warm-up over the first
     :data:`WARMUP_STEPS` steps, then constant when the number of steps is not known in advance (a time budget), or a
@@ -436,9 +443,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.preview:
         from ppdiffusers_tome.presets import load_local_pipeline
 
-        picture, captions = preview(load_local_pipeline(args.output))
-        picture.resize((picture.width * 2, picture.height * 2), 0).save(args.preview)
-        logger.info("preview %s: %s", args.preview, " | ".join(captions))
+        write_preview(load_local_pipeline(args.output), args.preview)
     unet_steps = [s for s in log["steps"] if s["phase"] == "unet"]
     logger.info("saved %s: %d steps in %.0f s, last loss %s", args.output, len(log["steps"]), log["seconds"],
                 f"{unet_steps[-1]['loss']:.4f}" if unet_steps else "n/a")

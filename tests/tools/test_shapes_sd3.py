@@ -94,6 +94,13 @@ def test_smoke_run_writes_a_pipeline_that_from_pretrained_loads(tmp_path):
     image = pipe("a small red star at the top left on a blue background", num_inference_steps=1, height=64,
                  width=64, generator=paddle.Generator().manual_seed(0), output_type="np").images
     assert image.shape == (1, 64, 64, 3) and np.isfinite(image).all()
+    # --init-from continues from those weights, on the dataset's images after the ones the first run saw
+    more = tmp_path / "more"
+    assert sd3.main(["--minutes", "1", "--output", str(more), "--max-steps", "1", "--batch-size", "2",
+                     "--threads", "1", "--init-from", str(out)]) == 0
+    with open(more / "train_log.json", encoding="utf-8") as f:
+        continued = json.load(f)
+    assert continued["first_index"] == 2 * 2 and continued["settings"]["init_from"] == str(out)
 
 
 @pytest.mark.parametrize("field, value, message", [
@@ -102,6 +109,7 @@ def test_smoke_run_writes_a_pipeline_that_from_pretrained_loads(tmp_path):
     ("lr", 0.0, "lr must be > 0"),
     ("max_steps", 0, "max_steps must be >= 1"),
     ("lr_decay", "linear", "lr_decay must be 'auto', 'cosine' or 'none'"),
+    ("init_from", "no-such-folder", "init_from must be a folder this trainer wrote"),
 ])
 def test_bad_settings_are_refused_by_name(field, value, message):
     with pytest.raises(ValueError, match=message):

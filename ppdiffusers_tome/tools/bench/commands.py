@@ -58,7 +58,7 @@ from .report import (
     record,
     save_json,
 )
-from .runner import Runner, grid_steps, run_grid
+from .runner import Runner, denoiser, grid_steps, run_grid
 from .timesplit import time_split
 
 logger = logging.getLogger(__name__)
@@ -101,15 +101,14 @@ def resolve_model(args: argparse.Namespace) -> str:
     wanted = args.model if args.model in (SHAPES_MODEL, SHAPES_SD3_MODEL) and not os.path.isdir(args.model) else ""
     if not wanted and demo and not args.model and not args.preset:
         wanted = SHAPES_MODEL
+    sd3 = wanted == SHAPES_SD3_MODEL
     if wanted:
-        sd3 = wanted == SHAPES_SD3_MODEL
         if not (shipped.has_sd3_weights() if sd3 else shipped.has_weights()):
             raise ValueError(f"--model {wanted}: the trained weights are missing from "
                              f"{shipped.SD3_MODEL_DIR if sd3 else shipped.MODEL_DIR} (a partial install?); name a "
                              "--preset or a --model folder")
         args.model = shipped.sd3_pipeline_folder() if sd3 else shipped.pipeline_folder()
     if demo:
-        sd3 = wanted == SHAPES_SD3_MODEL
         args.prompt = args.prompt or (shipped.DEMO_PROMPT if wanted else BenchSettings.prompt)
         args.steps = args.steps or ((shipped.SD3_DEMO_STEPS if sd3 else shipped.DEMO_STEPS) if wanted else 8)
         if args.guidance_scale is None and wanted:
@@ -184,9 +183,8 @@ def step_bar(pipe, steps: int, desc: str) -> Iterator[ProgressBar]:
     """A progress bar on stderr that advances with every denoiser forward of ``pipe`` (one per step with
     classifier-free guidance batched), while the ``with`` block runs."""
     bar = ProgressBar(total=steps, desc=desc, unit="steps")
-    denoiser = getattr(pipe, "unet", None)
-    denoiser = denoiser if denoiser is not None else getattr(pipe, "transformer", None)
-    handle = denoiser.register_forward_post_hook(lambda *_: bar.update()) if denoiser is not None else None
+    model = denoiser(pipe)
+    handle = model.register_forward_post_hook(lambda *_: bar.update()) if model is not None else None
     try:
         yield bar
     finally:

@@ -77,9 +77,10 @@ class RunOutputs:
 
 
 def denoiser(pipe):
-    """The model a pipeline calls once per step: its ``unet``, or its ``transformer`` (SD3, DiT, PixArt)."""
+    """The model a pipeline calls once per step: its ``unet``, or its ``transformer`` (SD3, DiT, PixArt); None
+    when it has neither."""
     unet = getattr(pipe, "unet", None)
-    return unet if unet is not None else pipe.transformer
+    return unet if unet is not None else getattr(pipe, "transformer", None)
 
 
 def attention_processor(pipe) -> str:
