@@ -204,7 +204,8 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     per_config: Dict[str, List[Dict[str, Any]]] = {name: [] for name in names}
     grid_images: Dict[str, np.ndarray] = {}
     for seed in range(args.seeds):
-        order = ["vanilla"] + names[1:][seed % (len(names) - 1):] + names[1:][:seed % (len(names) - 1)]
+        turn = seed % max(1, len(names) - 1)  # each seed starts the others at a different one (vanilla first)
+        order = ["vanilla"] + names[1:][turn:] + names[1:][:turn]
         results: Dict[str, Dict[str, Any]] = {}
         outputs: Dict[str, np.ndarray] = {}
         for name in order:

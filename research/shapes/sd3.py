@@ -140,7 +140,7 @@ class SD3TrainConfig:
 
     def __init__(self, minutes: float = 60.0, seed: int = 0, batch_size: int = 8, lr: float = 5e-4,
                  max_steps: Optional[int] = None, threads: Optional[int] = None, save_every_minutes: float = 5.0,
-                 lr_decay: str = "auto", init_from: str = "") -> None:
+                 lr_decay: str = "auto", init_from: str = "", images: int = 0) -> None:
         if not minutes > 0:
             raise ValueError(f"minutes must be > 0; got {minutes}")
         if batch_size < 1:
@@ -149,17 +149,66 @@ class SD3TrainConfig:
             raise ValueError(f"lr must be > 0; got {lr}")
         if max_steps is not None and max_steps < 1:
             raise ValueError(f"max_steps must be >= 1; got {max_steps}")
+        if isinstance(images, bool) or not isinstance(images, int) or images < 0:
+            raise ValueError(f"images must be an int >= 0 (0: a fresh image every draw); got {images!r}")
         if lr_decay not in ("auto", "cosine", "none"):
             raise ValueError(f"lr_decay must be 'auto', 'cosine' or 'none'; got {lr_decay!r}")
         self.minutes, self.seed, self.batch_size, self.lr = float(minutes), int(seed), int(batch_size), float(lr)
         self.max_steps, self.threads, self.save_every_minutes = max_steps, threads, float(save_every_minutes)
-        self.lr_decay = lr_decay
+        self.lr_decay, self.images = lr_decay, images
         if init_from and not os.path.isfile(os.path.join(init_from, "train_log.json")):
             raise ValueError(f"init_from must be a folder this trainer wrote (with train_log.json); got {init_from!r}")
         self.init_from = init_from
 
     def as_dict(self) -> Dict[str, Any]:
         return dict(vars(self))
+
+
+class _Latents:
+    """The training stream: with ``count == 0`` dataset images ``first, first + 1, ...`` each encoded when drawn;
+    with ``count > 0`` the images ``[first, first + count)``, each encoded once (the VAE's encoder is a third of a
+    step) and its latent kept: the first epoch in order, later epochs in a random order drawn from ``rng``."""
+
+    def __init__(self, pipe, first: int, count: int, seed: int, rng: np.random.Generator) -> None:
+        self.pipe, self.first, self.count, self.seed, self.rng = pipe, first, count, seed, rng
+        self.scaling = float(pipe.vae.config.scaling_factor)
+        self.drawn = 0
+        self.order: list = []
+        self.kept: Dict[int, Any] = {}
+
+    def _encode(self, indices: Sequence[int]):
+        import paddle
+
+        images, captions, _ = dataset.batch(indices, seed=self.seed)
+        with paddle.no_grad():
+            return self.pipe.vae.encode(paddle.to_tensor(images)).latent_dist.mean * self.scaling, captions
+
+    def _next_indices(self, size: int) -> list:
+        if not self.count:
+            start = self.first + self.drawn
+            self.drawn += size
+            return list(range(start, start + size))
+        while len(self.order) < size:
+            epoch = (self.drawn + len(self.order)) // self.count
+            positions = np.arange(self.count) if epoch == 0 else self.rng.permutation(self.count)
+            self.order.extend(int(self.first + k) for k in positions)
+        self.drawn += size
+        taken, self.order = self.order[:size], self.order[size:]
+        return taken
+
+    def batch(self, size: int):
+        """``size`` latents ``[size, 4, 32, 32]`` (scaled) and their captions."""
+        import paddle
+
+        indices = self._next_indices(size)
+        if not self.count:
+            return self._encode(indices)
+        missing = [k for k in dict.fromkeys(indices) if k not in self.kept]
+        if missing:
+            latents, captions = self._encode(missing)
+            for k, latent, caption in zip(missing, latents, captions):
+                self.kept[k] = (latent, caption)
+        return paddle.stack([self.kept[k][0] for k in indices]), [self.kept[k][1] for k in indices]
 
 
 def _set_mode(pipe, training: bool) -> None:
@@ -193,7 +242,9 @@ def train_sd3(output: str, config: Optional[SD3TrainConfig] = None,
             model.set_state_dict(getattr(start_pipe, name).state_dict())
         with open(os.path.join(config.init_from, "train_log.json"), encoding="utf-8") as f:
             start_log = json.load(f)
-        first_index = start_log.get("first_index", 0) + len(start_log["steps"]) * start_log["settings"]["batch_size"]
+        first_index = start_log.get("first_index", 0)
+        if not start_log["settings"].get("images"):  # a stream goes on after the images its start saw
+            first_index += len(start_log["steps"]) * start_log["settings"]["batch_size"]
     scaling = float(pipe.vae.config.scaling_factor)
     log: Dict[str, Any] = {"settings": dict(config.as_dict(), threads=threads), "scaling_factor": scaling,
                            "first_index": first_index,
@@ -205,15 +256,13 @@ def train_sd3(output: str, config: Optional[SD3TrainConfig] = None,
     optimizer = paddle.optimizer.AdamW(learning_rate=schedule, parameters=parameters, weight_decay=1e-2,
                                        grad_clip=paddle.nn.ClipGradByGlobalNorm(1.0))
     ema = _Ema(pipe.transformer)
+    stream = _Latents(pipe, first_index, config.images, config.seed, rng)
     _set_mode(pipe, True)
     end, last_save, step, step_seconds = start + config.minutes * 60.0, clock(), 0, 0.0
     while (config.max_steps is None or step < config.max_steps) and clock() + step_seconds <= end:
         began = clock()
-        first = first_index + step * config.batch_size
-        images, captions, _ = dataset.batch(range(first, first + config.batch_size), seed=config.seed)
+        latents, captions = stream.batch(config.batch_size)
         captions = ["" if rng.random() < CAPTION_DROPOUT else c for c in captions]
-        with paddle.no_grad():
-            latents = pipe.vae.encode(paddle.to_tensor(images)).latent_dist.mean * scaling
         noise = paddle.randn(latents.shape, dtype=latents.dtype)
         loss = flow_loss(pipe, latents, captions, noise, sample_sigmas(rng, len(captions)))
         loss.backward()
@@ -252,6 +301,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--save-every", type=float, default=5.0, help="minutes between saves (default 5)")
     parser.add_argument("--init-from", default="",
                         help="start from the weights of a folder this trainer wrote (its EMA), on the images after its")
+    parser.add_argument("--images", type=int, default=0,
+                        help="train on this many dataset images, each encoded once and reused every epoch "
+                             "(default 0: a fresh image every draw)")
     parser.add_argument("--preview", default="", help="also write a preview picture (PNG) here")
     return parser
 
@@ -263,7 +315,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         config = SD3TrainConfig(minutes=args.minutes, seed=args.seed, batch_size=args.batch_size, lr=args.lr,
                                 max_steps=args.max_steps, threads=args.threads, save_every_minutes=args.save_every,
-                                lr_decay=args.lr_decay, init_from=args.init_from)
+                                lr_decay=args.lr_decay, init_from=args.init_from, images=args.images)
     except ValueError as error:
         _parser().error(str(error))
     log = train_sd3(args.output, config)

@@ -103,6 +103,64 @@ def test_smoke_run_writes_a_pipeline_that_from_pretrained_loads(tmp_path):
     assert continued["first_index"] == 2 * 2 and continued["settings"]["init_from"] == str(out)
 
 
+class _CountingVae:
+    """Stands in for the VAE: a latent whose every value is its image's mean (checkable), encodes counted."""
+
+    class config:  # noqa: N801 (read as pipe.vae.config.scaling_factor)
+        scaling_factor = 2.0
+
+    def __init__(self):
+        self.encoded = []
+
+    def encode(self, images):
+        self.encoded.append(int(images.shape[0]))
+        means = images.mean(axis=[1, 2, 3], keepdim=True).expand([images.shape[0], 4, 32, 32])
+
+        class _Dist:
+            latent_dist = type("_Posterior", (), {"mean": means})
+
+        return _Dist
+
+
+class _Pipe:
+    def __init__(self):
+        self.vae = _CountingVae()
+
+
+def _expected_latent(index, seed=0):
+    images, captions, _ = dataset.batch([index], seed=seed)
+    return 2.0 * images.astype(np.float64).mean(), captions[0]
+
+
+def test_a_stream_draws_consecutive_images_each_encoded_when_drawn():
+    pipe = _Pipe()
+    stream = sd3._Latents(pipe, first=5, count=0, seed=0, rng=np.random.default_rng(0))
+    for first in (5, 8):
+        latents, captions = stream.batch(3)
+        for k, index in enumerate(range(first, first + 3)):
+            value, caption = _expected_latent(index)
+            assert float(latents[k].mean()) == pytest.approx(value, rel=1e-4) and captions[k] == caption
+    assert pipe.vae.encoded == [3, 3]
+
+
+def test_kept_images_are_encoded_once_and_every_epoch_draws_each_once():
+    pipe = _Pipe()
+    stream = sd3._Latents(pipe, first=10, count=6, seed=0, rng=np.random.default_rng(1))
+    drawn = []
+    for _ in range(6):  # 4 epochs of 6 images in batches of 4: batches straddle epochs
+        latents, captions = stream.batch(4)
+        for latent, caption in zip(latents, captions):
+            matches = [k for k in range(10, 16) if _expected_latent(k)[1] == caption
+                       and float(latent.mean()) == pytest.approx(_expected_latent(k)[0], rel=1e-4)]
+            assert matches, caption
+            drawn.append(matches[0])
+    assert sum(pipe.vae.encoded) == 6  # each image through the encoder once
+    epochs = [drawn[k:k + 6] for k in range(0, 24, 6)]
+    assert epochs[0] == list(range(10, 16))  # the first epoch in order
+    assert all(sorted(e) == list(range(10, 16)) for e in epochs[1:])
+    assert epochs[1:] != [epochs[0]] * 3  # later epochs are shuffled
+
+
 @pytest.mark.parametrize("field, value, message", [
     ("minutes", 0, "minutes must be > 0"),
     ("batch_size", 0, "batch_size must be >= 1"),
@@ -110,6 +168,9 @@ def test_smoke_run_writes_a_pipeline_that_from_pretrained_loads(tmp_path):
     ("max_steps", 0, "max_steps must be >= 1"),
     ("lr_decay", "linear", "lr_decay must be 'auto', 'cosine' or 'none'"),
     ("init_from", "no-such-folder", "init_from must be a folder this trainer wrote"),
+    ("images", -1, "images must be an int >= 0"),
+    ("images", 2.5, "images must be an int >= 0"),
+    ("images", True, "images must be an int >= 0"),
 ])
 def test_bad_settings_are_refused_by_name(field, value, message):
     with pytest.raises(ValueError, match=message):
