@@ -19,11 +19,12 @@ from .shapes_scores import generate, held_out, mean_accuracy
 
 # Classifier accuracy on FIXED_PROMPTS held-out captions at STEPS steps (chance: 1/6 for the background, 0.15 for the
 # mean of the four heads). BACKGROUND_THRESHOLD and ACCURACY_THRESHOLD sit below what the shipped weights scored when
-# they shipped (training.json) and above what random weights score.
+# they shipped (training.json's scores: background 1.0, mean 0.51 over 4 x 32 captions at 20 steps; here 1.0 and 0.48)
+# and above what random weights score (background 0, mean 0.08-0.17 for seeds 1-3).
 FIXED_PROMPTS = 12
 STEPS = 12
-BACKGROUND_THRESHOLD = 0.75
-ACCURACY_THRESHOLD = 0.3
+BACKGROUND_THRESHOLD = 0.8
+ACCURACY_THRESHOLD = 0.35
 
 
 def test_flow_loss_falls_on_a_fixed_batch():
