@@ -27,8 +27,8 @@ says how to reproduce shipped weights); the output folder gets the pipeline and 
 trains on the dataset's first ``N`` images, each encoded once and its latent kept (the first epoch in order, later
 ones shuffled): the encoder is a third of a step, so 73 minutes buy 5,400 steps where a stream of fresh images
 gets about 3,600. ``--init-from`` continues from a folder this trainer wrote (its saved weights, a fresh optimizer
-and average; a stream goes on with the images after the ones that run saw, kept images stay the same). The shipped weights are the command above: one
-run of 5,400 steps in 73 minutes, 8,192 images, the rate decayed along a cosine.
+and average; a stream goes on with the images after the ones that run saw, kept images stay the same). The shipped
+weights are the command above: one run of 5,400 steps in 73 minutes, 8,192 images, the rate decayed along a cosine.
 """
 
 from __future__ import annotations
@@ -249,8 +249,8 @@ def train_sd3(output: str, config: Optional[SD3TrainConfig] = None,
         first_index = start_log.get("first_index", 0)
         if not start_log["settings"].get("images"):  # a stream goes on after the images its start saw
             first_index += len(start_log["steps"]) * start_log["settings"]["batch_size"]
-    scaling = float(pipe.vae.config.scaling_factor)
-    log: Dict[str, Any] = {"settings": dict(config.as_dict(), threads=threads), "scaling_factor": scaling,
+    stream = _Latents(pipe, first_index, config.images, config.seed, rng)
+    log: Dict[str, Any] = {"settings": dict(config.as_dict(), threads=threads), "scaling_factor": stream.scaling,
                            "first_index": first_index,
                            "parameters": {k: int(sum(int(p.numel()) for p in m.parameters()))
                                           for k, m in models.items()}, "steps": []}
@@ -260,7 +260,6 @@ def train_sd3(output: str, config: Optional[SD3TrainConfig] = None,
     optimizer = paddle.optimizer.AdamW(learning_rate=schedule, parameters=parameters, weight_decay=1e-2,
                                        grad_clip=paddle.nn.ClipGradByGlobalNorm(1.0))
     ema = _Ema(pipe.transformer)
-    stream = _Latents(pipe, first_index, config.images, config.seed, rng)
     _set_mode(pipe, True)
     end, last_save, step, step_seconds = start + config.minutes * 60.0, clock(), 0, 0.0
     while (config.max_steps is None or step < config.max_steps) and clock() + step_seconds <= end:

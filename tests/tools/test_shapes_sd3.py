@@ -71,8 +71,8 @@ def test_training_noise_levels_are_the_schedulers_shift_of_a_logit_normal():
     """sample_sigmas shifts as FlowMatchEulerDiscreteScheduler(shift=3) shifts its own sigmas."""
     scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=sd3.SHIFT)
     unshifted = np.linspace(1.0, 1 / 1000, 1000)  # the scheduler's sigmas before its shift
-    np.testing.assert_allclose(scheduler.sigmas.numpy()[:1000], sd3.SHIFT * unshifted / (1 + (sd3.SHIFT - 1) * unshifted),
-                               rtol=1e-5)
+    np.testing.assert_allclose(scheduler.sigmas.numpy()[:1000],
+                               sd3.SHIFT * unshifted / (1 + (sd3.SHIFT - 1) * unshifted), rtol=1e-5)
     levels = sd3.sample_sigmas(np.random.default_rng(0), 20000)
     # the median of sigmoid(N(0, 1)) is 0.5, shifted: 3 * 0.5 / (1 + 2 * 0.5) = 0.75
     assert np.median(levels) == pytest.approx(0.75, abs=0.01)
