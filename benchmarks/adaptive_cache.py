@@ -3,10 +3,12 @@
 For one model and one number of steps ``N``, every configuration below runs from the same initial latents per seed
 (configurations in an order rotated per seed, each after one untimed 2-step run):
 
-* ``vanilla`` (``N`` steps), ``fewer steps 1/2`` and ``1/3`` (``N // 2`` and ``N // 3`` steps, no cache);
+* ``vanilla`` (``N`` steps), ``fewer steps 1/2``, ``1/3`` and ``1/4`` (``N // 2``, ``N // 3`` and ``N // 4`` steps,
+  no cache);
 * ``interval 2`` / ``3`` / ``4``: the fixed-interval cache;
 * ``adaptive T`` for each ``--thresholds`` T, and ``adaptive T + forecast`` (``forecast="linear"``);
-* on SD3 (both models) also ``whole-model T``: the whole-model cache (what SD3 built with ``INFERENCE_OPTIMIZE=True`` takes);
+* ``whole-model T`` and ``whole-model T + forecast``: the whole-model cache (what SD3 built with
+  ``INFERENCE_OPTIMIZE=True`` takes), on every model;
 * each of the above again with merging: ``+ ToMe 0.5`` on the shapes models, ``+ ToDo`` on SD3's layout
   (``--merge``).
 
@@ -24,7 +26,7 @@ Models (``--model``):
   of vanilla's (mean over images), and the classifier's accuracy against the caption is reported (mean of its four
   heads; ``research/shapes/``, as ``benchmarks/shapes_fidelity.py`` scores the shipped pipeline).
 * ``shapes-sd3``: the shipped SD3 shapes pipeline (trained, six MMDiT blocks, 64 x 64, flow-matching Euler,
-  guidance 4), scored as ``shapes``; its cache configurations include the whole-model cache.
+  guidance 4), scored as ``shapes``.
 * ``sd3``: SD3-medium's layout at ``--width`` with random weights (``benchmarks/sd3_forward.py``'s model and its
   flow-matching Euler loop with guidance, batch 2 = one image), the transformer alone: speed only. PSNR and SSIM are
   then of the final latents scaled to [0, 1] by vanilla's range, and the distance is their relative L2; with random
@@ -41,6 +43,8 @@ each of ``--signal-steps``, and prints the sum of its relative changes and the f
     bash run.sh python benchmarks/adaptive_cache.py --model sd3 --steps 28 --size 512 --layers 24 --seeds 1 \\
         --threads 2 --output outputs/adaptive_sd3_28 --plot docs/adaptive_cache_sd3_28.png
     bash run.sh python benchmarks/adaptive_cache.py --render outputs/adaptive_shapes_50/results.json
+    bash run.sh python benchmarks/adaptive_cache.py --combine outputs/run1/results.json outputs/run2/results.json \\
+        --output outputs/runs
     bash run.sh python benchmarks/adaptive_cache.py --signals --prompts 4 --threads 2 --output outputs/signals
 """
 
@@ -83,12 +87,12 @@ def configurations(steps: int, thresholds: Sequence[float] = THRESHOLDS, merge: 
 
     >>> names = list(configurations(20, thresholds=(0.15,), merge=None))
     >>> names
-    ['vanilla', 'fewer steps 1/2', 'fewer steps 1/3', 'interval 2', 'interval 3', 'interval 4', 'adaptive 0.15', 'adaptive 0.15 + forecast']
+    ['vanilla', 'fewer steps 1/2', 'fewer steps 1/3', 'fewer steps 1/4', 'interval 2', 'interval 3', 'interval 4', 'adaptive 0.15', 'adaptive 0.15 + forecast']
     >>> configurations(20, (0.15,), merge=None)["fewer steps 1/3"].steps
     6
     """
     plain: List[Config] = [Config("vanilla", "vanilla", steps)]
-    plain += [Config(f"fewer steps 1/{k}", "fewer steps", max(1, steps // k)) for k in (2, 3)]
+    plain += [Config(f"fewer steps 1/{k}", "fewer steps", max(1, steps // k)) for k in (2, 3, 4)]
     plain += [Config(f"interval {k}", "interval", steps, dict(interval=k)) for k in (2, 3, 4)]
     for threshold in thresholds:
         plain.append(Config(f"adaptive {threshold:g}", "adaptive", steps, dict(threshold=threshold)))
@@ -97,6 +101,8 @@ def configurations(steps: int, thresholds: Sequence[float] = THRESHOLDS, merge: 
     if whole_model:
         plain += [Config(f"whole-model {t:g}", "whole-model", steps, dict(whole_model=True, threshold=t))
                   for t in thresholds]
+        plain += [Config(f"whole-model {t:g} + forecast", "whole-model + forecast", steps,
+                         dict(whole_model=True, threshold=t, forecast="linear")) for t in thresholds]
     configs = {config.name: config for config in plain}
     if merge is not None:
         label, options = MERGES[merge]
@@ -377,7 +383,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                          "flow-matching Euler")
     model = ShapesModel(args) if trained else SD3Model(args)
     merge = None if args.merge == "none" else args.merge or ("todo" if args.model == "sd3" else "tome")
-    configs = configurations(args.steps, args.thresholds, merge, whole_model=args.model != "shapes")
+    configs = configurations(args.steps, args.thresholds, merge, whole_model=True)
     names = ["vanilla"] + [name for name in (args.configs or list(configs)) if name != "vanilla"]
     unknown = [name for name in names if name not in configs]
     if unknown:
@@ -423,9 +429,37 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     }
 
 
+def combine(runs: Sequence[Dict[str, Any]], command: str) -> Dict[str, Any]:
+    """Several runs of the same configurations as one record: per configuration the median of the runs' median
+    speed-ups and their range over the runs; steps and quality from the first run, with ``images_identical``
+    telling whether every run's PSNR and feature distance equal the first's (the same seeds give the same images).
+
+    >>> run = lambda speed: {"version": "v", "settings": {}, "families": {"a": "a"},
+    ...                      "summary": {"a": {"speedup_median": speed, "psnr_db": 30.0}}}
+    >>> out = combine([run(2.0), run(1.5), run(2.5)], "x")
+    >>> out["summary"]["a"]["speedup_median"], out["summary"]["a"]["speedup_min"], out["images_identical"]
+    (2.0, 1.5, True)
+    """
+    if len({json.dumps(r["settings"], sort_keys=True) for r in runs}) != 1 or \
+            len({tuple(r["summary"]) for r in runs}) != 1:
+        raise SystemExit("--combine: the runs differ in settings or configurations")
+    first = runs[0]
+    summary = {}
+    for name, row in first["summary"].items():
+        speeds = [r["summary"][name]["speedup_median"] for r in runs]
+        summary[name] = dict(row, speedup_median=float(np.median(speeds)), speedup_min=min(speeds),
+                             speedup_max=max(speeds))
+    identical = all(r["summary"][name].get(key) == row.get(key) for r in runs for name, row in first["summary"].items()
+                    for key in ("psnr_db", "distance"))
+    return {"command": command, "version": first["version"], "settings": first["settings"],
+            "families": first["families"], "over": "runs", "images_identical": identical, "runs": list(runs),
+            "summary": summary}
+
+
 def table_rows(data: Dict[str, Any]) -> List[List[str]]:
     shapes = data["settings"]["model"] in ("shapes", "shapes-sd3")
-    header = ["configuration", "steps (full)", "speed-up (median, range)", "PSNR to vanilla dB", "SSIM",
+    spread = "median and range over runs" if data.get("over") == "runs" else "median, range"
+    header = ["configuration", "steps (full)", f"speed-up ({spread})", "PSNR to vanilla dB", "SSIM",
               "feature distance (1 - cos)" if shapes else "rel. L2 of latents"]
     rows = [header + (["classifier accuracy %"] if shapes else [])]
     cell = lambda s, key, digits: (f"{s[key]['mean']:.{digits}f} ± {s[key]['sd']:.{digits}f}"  # noqa: E731
@@ -463,6 +497,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--output", default=os.path.join("outputs", "adaptive_cache"))
     parser.add_argument("--plot", default=None, help="PNG of PSNR against speed-up (default: OUTPUT/quality_speed.png)")
     parser.add_argument("--render", default=None, help="print the table of an earlier results.json (and plot it)")
+    parser.add_argument("--combine", nargs="+", default=None, metavar="RESULTS",
+                        help="combine the results.json of several runs into OUTPUT/results.json (speed-ups: the "
+                             "median and range over the runs)")
     parser.add_argument("--signals", action="store_true", help="record the rule's signal per sampler; time nothing")
     parser.add_argument("--signal-steps", type=int, nargs="+", default=[20, 50], help="with --signals: step counts")
     args = parser.parse_args(argv)
@@ -477,6 +514,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.render:
         with open(args.render, encoding="utf-8") as f:
             data = json.load(f)
+    elif args.combine:
+        runs = []
+        for path in args.combine:
+            with open(path, encoding="utf-8") as f:
+                runs.append(json.load(f))
+        data = combine(runs, " ".join(["benchmarks/adaptive_cache.py"] + sys.argv[1:]))
+        os.makedirs(args.output, exist_ok=True)
+        with open(os.path.join(args.output, "results.json"), "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=1)
     else:
         if args.steps < 3 or args.seeds < 1 or args.prompts < 1 or any(t < 0 for t in args.thresholds):
             parser.error("--steps must be >= 3, --seeds and --prompts >= 1, --thresholds >= 0")
@@ -488,7 +534,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(render_table(rows))
     settings = data["settings"]
     title = (f"{settings['model']}, {settings['steps']} steps, {settings['scheduler']}, "
-             f"{settings['seeds']} seed(s), ppdiffusers_tome {data['version']}")
+             f"{settings['seeds']} seed(s), ppdiffusers_tome {data['version']}"
+             + (f", speed-up: median of {len(data['runs'])} runs" if data.get("over") == "runs" else ""))
     if args.plot or not args.render:
         print("wrote", plot(data["summary"], data["families"], args.plot or os.path.join(args.output,
                                                                                           "quality_speed.png"), title))

@@ -18,13 +18,14 @@ def bench():
 
 def test_the_configurations_are_the_baselines_the_caches_and_each_again_with_merging(bench):
     configs = bench.configurations(50, thresholds=(0.1, 0.2), merge="tome", whole_model=True)
-    plain = ["vanilla", "fewer steps 1/2", "fewer steps 1/3", "interval 2", "interval 3", "interval 4",
+    plain = ["vanilla", "fewer steps 1/2", "fewer steps 1/3", "fewer steps 1/4", "interval 2", "interval 3", "interval 4",
              "adaptive 0.1", "adaptive 0.1 + forecast", "adaptive 0.2", "adaptive 0.2 + forecast",
-             "whole-model 0.1", "whole-model 0.2"]
+             "whole-model 0.1", "whole-model 0.2", "whole-model 0.1 + forecast", "whole-model 0.2 + forecast"]
     assert list(configs) == plain + ["ToMe 0.5"] + [f"{name} + ToMe 0.5" for name in plain[1:]]
-    assert [configs[name].steps for name in plain[:3]] == [50, 25, 16]
+    assert [configs[name].steps for name in plain[:4]] == [50, 25, 16, 12]
     assert configs["adaptive 0.2 + forecast"].cache == dict(threshold=0.2, forecast="linear")
     assert configs["whole-model 0.1 + ToMe 0.5"].cache == dict(whole_model=True, threshold=0.1)
+    assert configs["whole-model 0.2 + forecast"].cache == dict(whole_model=True, threshold=0.2, forecast="linear")
     assert configs["interval 3 + ToMe 0.5"].merge == dict(ratio=0.5) and configs["interval 3"].merge is None
     assert configs["adaptive 0.1 + forecast + ToMe 0.5"].family == "adaptive + forecast + ToMe 0.5"
 
@@ -96,3 +97,32 @@ def test_a_short_run_on_a_tiny_sd3_layout_writes_a_consistent_record_and_its_plo
     written = table(capsys.readouterr().out)
     assert bench.main(["--render", str(tmp_path / "results.json")]) == 0
     assert table(capsys.readouterr().out) == written and len(written) == 4  # header, three rows
+
+
+def test_combined_runs_take_the_median_and_range_of_the_runs_speed_ups_and_refuse_other_settings(bench, tmp_path,
+                                                                                              capsys):
+    def run(speeds, psnr=30.0, settings=None):
+        summary = {"vanilla": dict(steps=9, full_steps=9.0, speedup_median=1.0, speedup_min=1.0, speedup_max=1.0),
+                   "x": dict(steps=9, full_steps=3.0, speedup_median=speeds, speedup_min=speeds - 0.5,
+                             speedup_max=speeds + 0.5, psnr_db=dict(mean=psnr, sd=0.5), distance=dict(mean=0.1, sd=0))}
+        settings = settings or {"model": "sd3", "steps": 9, "scheduler": "flow-match euler", "seeds": 1}
+        return {"version": "v", "settings": settings, "families": {"vanilla": "vanilla",
+                                                                                        "x": "adaptive"},
+                "summary": summary}
+
+    runs = [run(2.0), run(3.5), run(2.5)]
+    combined = bench.combine(runs, "cmd")
+    x = combined["summary"]["x"]
+    assert (x["speedup_median"], x["speedup_min"], x["speedup_max"]) == (2.5, 2.0, 3.5)
+    assert x["psnr_db"] == runs[0]["summary"]["x"]["psnr_db"] and combined["images_identical"]
+    assert combined["runs"] == runs and combined["over"] == "runs"
+    assert not bench.combine([run(2.0), run(2.0, psnr=31.0)], "cmd")["images_identical"]
+    with pytest.raises(SystemExit, match="differ in settings"):
+        bench.combine([run(2.0), run(2.0, settings={"model": "shapes"})], "cmd")
+    paths = []
+    for k, data in enumerate(runs):
+        paths.append(tmp_path / f"run{k}.json")
+        paths[-1].write_text(json.dumps(data), encoding="utf-8")
+    assert bench.main(["--combine", *map(str, paths), "--output", str(tmp_path / "all")]) == 0
+    assert json.loads((tmp_path / "all" / "results.json").read_text(encoding="utf-8"))["summary"]["x"] == x
+    assert "median and range over runs" in capsys.readouterr().out
