@@ -81,13 +81,13 @@ class Config:
         self.name, self.family, self.steps, self.cache, self.merge = name, family, steps, cache, merge
 
 
-def configurations(steps: int, thresholds: Sequence[float] = THRESHOLDS, merge: Optional[str] = "tome",
-                   whole_model: bool = False) -> Dict[str, Config]:
+def configurations(steps: int, thresholds: Sequence[float] = THRESHOLDS,
+                   merge: Optional[str] = "tome") -> Dict[str, Config]:
     """Every configuration for ``steps`` denoising steps, by name, vanilla first (see the module docstring).
 
     >>> names = list(configurations(20, thresholds=(0.15,), merge=None))
     >>> names
-    ['vanilla', 'fewer steps 1/2', 'fewer steps 1/3', 'fewer steps 1/4', 'interval 2', 'interval 3', 'interval 4', 'adaptive 0.15', 'adaptive 0.15 + forecast']
+    ['vanilla', 'fewer steps 1/2', 'fewer steps 1/3', 'fewer steps 1/4', 'interval 2', 'interval 3', 'interval 4', 'adaptive 0.15', 'adaptive 0.15 + forecast', 'whole-model 0.15', 'whole-model 0.15 + forecast']
     >>> configurations(20, (0.15,), merge=None)["fewer steps 1/3"].steps
     6
     """
@@ -98,11 +98,10 @@ def configurations(steps: int, thresholds: Sequence[float] = THRESHOLDS, merge: 
         plain.append(Config(f"adaptive {threshold:g}", "adaptive", steps, dict(threshold=threshold)))
         plain.append(Config(f"adaptive {threshold:g} + forecast", "adaptive + forecast", steps,
                             dict(threshold=threshold, forecast="linear")))
-    if whole_model:
-        plain += [Config(f"whole-model {t:g}", "whole-model", steps, dict(whole_model=True, threshold=t))
-                  for t in thresholds]
-        plain += [Config(f"whole-model {t:g} + forecast", "whole-model + forecast", steps,
-                         dict(whole_model=True, threshold=t, forecast="linear")) for t in thresholds]
+    plain += [Config(f"whole-model {t:g}", "whole-model", steps, dict(whole_model=True, threshold=t))
+              for t in thresholds]
+    plain += [Config(f"whole-model {t:g} + forecast", "whole-model + forecast", steps,
+                     dict(whole_model=True, threshold=t, forecast="linear")) for t in thresholds]
     configs = {config.name: config for config in plain}
     if merge is not None:
         label, options = MERGES[merge]
@@ -383,7 +382,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                          "flow-matching Euler")
     model = ShapesModel(args) if trained else SD3Model(args)
     merge = None if args.merge == "none" else args.merge or ("todo" if args.model == "sd3" else "tome")
-    configs = configurations(args.steps, args.thresholds, merge, whole_model=True)
+    configs = configurations(args.steps, args.thresholds, merge)
     names = ["vanilla"] + [name for name in (args.configs or list(configs)) if name != "vanilla"]
     unknown = [name for name in names if name not in configs]
     if unknown:
@@ -520,13 +519,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             with open(path, encoding="utf-8") as f:
                 runs.append(json.load(f))
         data = combine(runs, " ".join(["benchmarks/adaptive_cache.py"] + sys.argv[1:]))
-        os.makedirs(args.output, exist_ok=True)
-        with open(os.path.join(args.output, "results.json"), "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=1)
     else:
         if args.steps < 3 or args.seeds < 1 or args.prompts < 1 or any(t < 0 for t in args.thresholds):
             parser.error("--steps must be >= 3, --seeds and --prompts >= 1, --thresholds >= 0")
         data = run(args)
+    if not args.render:
         os.makedirs(args.output, exist_ok=True)
         with open(os.path.join(args.output, "results.json"), "w", encoding="utf-8") as f:
             json.dump(data, f, indent=1)

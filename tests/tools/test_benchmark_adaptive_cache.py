@@ -17,7 +17,7 @@ def bench():
 
 
 def test_the_configurations_are_the_baselines_the_caches_and_each_again_with_merging(bench):
-    configs = bench.configurations(50, thresholds=(0.1, 0.2), merge="tome", whole_model=True)
+    configs = bench.configurations(50, thresholds=(0.1, 0.2), merge="tome")
     plain = ["vanilla", "fewer steps 1/2", "fewer steps 1/3", "fewer steps 1/4", "interval 2", "interval 3", "interval 4",
              "adaptive 0.1", "adaptive 0.1 + forecast", "adaptive 0.2", "adaptive 0.2 + forecast",
              "whole-model 0.1", "whole-model 0.2", "whole-model 0.1 + forecast", "whole-model 0.2 + forecast"]
@@ -106,9 +106,8 @@ def test_combined_runs_take_the_median_and_range_of_the_runs_speed_ups_and_refus
                    "x": dict(steps=9, full_steps=3.0, speedup_median=speeds, speedup_min=speeds - 0.5,
                              speedup_max=speeds + 0.5, psnr_db=dict(mean=psnr, sd=0.5), distance=dict(mean=0.1, sd=0))}
         settings = settings or {"model": "sd3", "steps": 9, "scheduler": "flow-match euler", "seeds": 1}
-        return {"version": "v", "settings": settings, "families": {"vanilla": "vanilla",
-                                                                                        "x": "adaptive"},
-                "summary": summary}
+        families = {"vanilla": "vanilla", "x": "adaptive"}
+        return {"version": "v", "settings": settings, "families": families, "summary": summary}
 
     runs = [run(2.0), run(3.5), run(2.5)]
     combined = bench.combine(runs, "cmd")
