@@ -8,7 +8,8 @@ For one model and one number of steps ``N``, every configuration below runs from
 * ``interval 2`` / ``3`` / ``4``: the fixed-interval cache;
 * ``adaptive T`` for each ``--thresholds`` T, and ``adaptive T + forecast`` (``forecast="linear"``);
 * ``whole-model T`` and ``whole-model T + forecast``: the whole-model cache (what SD3 built with
-  ``INFERENCE_OPTIMIZE=True`` takes), on every model;
+  ``INFERENCE_OPTIMIZE=True`` takes) with the adaptive rule, on every model; ``whole-model interval 2`` / ``3`` /
+  ``4``, with and without ``+ forecast``: the same cache at a fixed interval;
 * each of the above again with merging: ``+ ToMe 0.5`` on the shapes models, ``+ ToDo`` on SD3's layout
   (``--merge``).
 
@@ -87,7 +88,7 @@ def configurations(steps: int, thresholds: Sequence[float] = THRESHOLDS,
 
     >>> names = list(configurations(20, thresholds=(0.15,), merge=None))
     >>> names
-    ['vanilla', 'fewer steps 1/2', 'fewer steps 1/3', 'fewer steps 1/4', 'interval 2', 'interval 3', 'interval 4', 'adaptive 0.15', 'adaptive 0.15 + forecast', 'whole-model 0.15', 'whole-model 0.15 + forecast']
+    ['vanilla', 'fewer steps 1/2', 'fewer steps 1/3', 'fewer steps 1/4', 'interval 2', 'interval 3', 'interval 4', 'adaptive 0.15', 'adaptive 0.15 + forecast', 'whole-model 0.15', 'whole-model 0.15 + forecast', 'whole-model interval 2', 'whole-model interval 3', 'whole-model interval 4', 'whole-model interval 2 + forecast', 'whole-model interval 3 + forecast', 'whole-model interval 4 + forecast']
     >>> configurations(20, (0.15,), merge=None)["fewer steps 1/3"].steps
     6
     """
@@ -102,6 +103,10 @@ def configurations(steps: int, thresholds: Sequence[float] = THRESHOLDS,
               for t in thresholds]
     plain += [Config(f"whole-model {t:g} + forecast", "whole-model + forecast", steps,
                      dict(whole_model=True, threshold=t, forecast="linear")) for t in thresholds]
+    plain += [Config(f"whole-model interval {k}", "whole-model interval", steps, dict(whole_model=True, interval=k))
+              for k in (2, 3, 4)]
+    plain += [Config(f"whole-model interval {k} + forecast", "whole-model interval + forecast", steps,
+                     dict(whole_model=True, interval=k, forecast="linear")) for k in (2, 3, 4)]
     configs = {config.name: config for config in plain}
     if merge is not None:
         label, options = MERGES[merge]

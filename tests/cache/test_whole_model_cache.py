@@ -168,6 +168,26 @@ def test_the_whole_model_cache_at_threshold_0_is_vanilla_on_real_pipelines(kind)
     assert np.abs(cached - vanilla).max() > 1e-4
 
 
+def test_a_pipeline_at_interval_3_with_the_forecast_extrapolates_each_cached_step_from_its_own_inputs():
+    pipe = tiny_sd_pipeline()
+    calls = []  # (input latents, output) of every UNet call, as the pipeline sees them
+    pipe.unet.register_forward_post_hook(
+        lambda layer, inputs, output: calls.append((inputs[0].numpy().astype("float64"),
+                                                    (output[0] if isinstance(output, tuple) else output.sample)
+                                                    .numpy().astype("float64"))))
+    pipe.apply_cache(whole_model=True, interval=3, forecast="linear")
+    run(pipe, steps=7)
+    status = ppdiffusers_tome.cache_status(pipe)["unet"]
+    assert (status["last_full_steps"], status["last_cached_steps"]) == ([0, 3, 6], [1, 2, 4, 5])
+    assert len(calls) == 7
+    residual = {step: calls[step][1] - calls[step][0] for step in (0, 3, 6)}
+    for step, (earlier, last) in {1: (None, 0), 2: (None, 0), 4: (0, 3), 5: (0, 3)}.items():
+        trend = 0.0 if earlier is None else (residual[last] - residual[earlier]) * (step - last) / (last - earlier)
+        np.testing.assert_allclose(calls[step][1], calls[step][0] + residual[last] + trend, rtol=1e-5, atol=1e-5)
+    assert np.abs(residual[3] - residual[0]).max() > 1e-3  # the trend is not zero: the check above can fail
+    assert not np.allclose(calls[6][0], calls[0][0])  # the full calls saw the cached trajectory's own latents
+
+
 def test_a_controlnet_pipeline_caches_its_unet_whole_and_a_controlnet_is_refused_by_name():
     from ppdiffusers_tome.testing import tiny_controlnet_pipeline
     from tests.test_pipelines import control_image

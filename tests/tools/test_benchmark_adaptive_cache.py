@@ -20,12 +20,16 @@ def test_the_configurations_are_the_baselines_the_caches_and_each_again_with_mer
     configs = bench.configurations(50, thresholds=(0.1, 0.2), merge="tome")
     plain = ["vanilla", "fewer steps 1/2", "fewer steps 1/3", "fewer steps 1/4", "interval 2", "interval 3", "interval 4",
              "adaptive 0.1", "adaptive 0.1 + forecast", "adaptive 0.2", "adaptive 0.2 + forecast",
-             "whole-model 0.1", "whole-model 0.2", "whole-model 0.1 + forecast", "whole-model 0.2 + forecast"]
+             "whole-model 0.1", "whole-model 0.2", "whole-model 0.1 + forecast", "whole-model 0.2 + forecast",
+             "whole-model interval 2", "whole-model interval 3", "whole-model interval 4",
+             "whole-model interval 2 + forecast", "whole-model interval 3 + forecast", "whole-model interval 4 + forecast"]
     assert list(configs) == plain + ["ToMe 0.5"] + [f"{name} + ToMe 0.5" for name in plain[1:]]
     assert [configs[name].steps for name in plain[:4]] == [50, 25, 16, 12]
     assert configs["adaptive 0.2 + forecast"].cache == dict(threshold=0.2, forecast="linear")
     assert configs["whole-model 0.1 + ToMe 0.5"].cache == dict(whole_model=True, threshold=0.1)
     assert configs["whole-model 0.2 + forecast"].cache == dict(whole_model=True, threshold=0.2, forecast="linear")
+    assert configs["whole-model interval 3 + forecast"].cache == dict(whole_model=True, interval=3, forecast="linear")
+    assert configs["whole-model interval 4 + ToMe 0.5"].family == "whole-model interval + ToMe 0.5"
     assert configs["interval 3 + ToMe 0.5"].merge == dict(ratio=0.5) and configs["interval 3"].merge is None
     assert configs["adaptive 0.1 + forecast + ToMe 0.5"].family == "adaptive + forecast + ToMe 0.5"
 
