@@ -6,7 +6,8 @@ For one model and one number of steps ``N``, every configuration below runs from
 * ``vanilla`` (``N`` steps), ``fewer steps 1/2``, ``1/3`` and ``1/4`` (``N // 2``, ``N // 3`` and ``N // 4`` steps,
   no cache);
 * ``interval 2`` / ``3`` / ``4``: the fixed-interval cache;
-* ``adaptive T`` for each ``--thresholds`` T, and ``adaptive T + forecast`` (``forecast="linear"``);
+* ``adaptive T`` for each ``--thresholds`` T, and ``adaptive T + forecast`` (``forecast="linear"``; from 0.17.0 the
+  rule then decides on the forecast's own error);
 * ``whole-model T`` and ``whole-model T + forecast``: the whole-model cache (what SD3 built with
   ``INFERENCE_OPTIMIZE=True`` takes) with the adaptive rule, on every model; ``whole-model interval 2`` / ``3`` /
   ``4``, with and without ``+ forecast``: the same cache at a fixed interval;

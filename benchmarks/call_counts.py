@@ -11,7 +11,8 @@ channels, batch 2:
 Configurations: ToMe with every block skipped (the GPU policy at 512 px with one image, GPU kernels forced), ToMe's
 defaults on CPU kernels (5 blocks merge), the step cache at interval 1 and at interval 3 (a full and a cached call),
 its adaptive rule (a call the rule caches, and one it runs in full: each pays the rule's signal and its one read),
-and ToMe + cache. Prints a table and writes JSON:
+the rule with the forecast (a cached call, and a full one that measures the forecast's error and reads it), and
+ToMe + cache. Prints a table and writes JSON:
 
     bash run.sh python benchmarks/call_counts.py --output outputs/call_counts.json
 """
@@ -39,7 +40,9 @@ BOUNDS = {"tome, every block skipped": 60, "tome, defaults (5 blocks merge)": 25
 # what the adaptive rule may add over the fixed interval, in package calls per UNet call: (adaptive row, interval row)
 ADAPTIVE_BOUND = 15
 ADAPTIVE_PAIRS = {"cache, adaptive, cached call": "cache, interval 3, cached call",
-                  "cache, adaptive, full call": "cache, interval 3, full call"}
+                  "cache, adaptive, full call": "cache, interval 3, full call",
+                  "cache, forecast rule, cached call": "cache, interval 3, cached call",
+                  "cache, forecast rule, full call": "cache, interval 3, full call"}
 
 
 def sd15_layout_unet():
@@ -103,6 +106,10 @@ CONFIGS = [
     # one; not threshold=0, which runs every step in full without reading anything)
     ("cache, adaptive, cached call", None, dict(threshold=1e9), False, 1),
     ("cache, adaptive, full call", None, dict(threshold=1e-9), False, 1),
+    # step 3, after the three full steps the rule with the forecast starts with: cached (a huge threshold), or run in
+    # full and measured (a tiny one)
+    ("cache, forecast rule, cached call", None, dict(threshold=1e9, forecast="linear"), False, 3),
+    ("cache, forecast rule, full call", None, dict(threshold=1e-9, forecast="linear"), False, 3),
 ]
 MOVED = {"cache, adaptive, full call"}  # configurations whose counted call gets other latents than the call before
 

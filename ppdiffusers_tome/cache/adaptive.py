@@ -16,6 +16,16 @@ steps as at 50 (``docs/design.md``, "The adaptive rule").
 contribution, the whole model's residual) is extrapolated to first order in the step index from the last two full
 steps ``f0 < f1``: ``w(t) = w(f1) + (w(f1) - w(f0)) * (t - f1) / (f1 - f0)``; with one full step only, ``w(f1)``.
 
+**The rule with the forecast** (``threshold=`` and ``forecast="linear"``) decides on the forecast's own error instead
+of the signal's change. At each full step ``f2`` after two others ``f0 < f1``, the work just computed is compared with
+what the forecast from ``f0`` and ``f1`` would have returned there: ``e = mean|w(f2) - forecast| / mean|forecast|`` (one
+scalar read per *full* step; cached steps read nothing). A linear forecast misses by the second-order term of the
+work's Taylor expansion, so a forecast ``j`` steps past ``f2`` (made from ``f1`` and ``f2``, ``h = f2 - f1`` apart)
+errs by about ``e * j * (j + h) / (h * (h + f1 - f0))``. The steps after ``f2`` are cached as long as these predicted
+errors, summed, stay within ``threshold`` (:func:`cached_steps_ahead`); the next step is full. Until a site has three
+full steps the next step is full (steps 0, 1 and 2 of a generation), since the error cannot be measured yet. Where the
+work changes evenly the gaps grow; where it bends (the first steps, the last ones) they shrink.
+
 >>> full_step_due(0.25, 0.125, 1, threshold=0.5, max_skips=None)  # 0.375 < 0.5: cached, one more skip
 (False, 0.375, 2)
 >>> full_step_due(0.25, 0.375, 1, threshold=0.5, max_skips=None)  # 0.625 >= 0.5: full, the sum starts again
@@ -35,15 +45,17 @@ import paddle
 
 from ..core.validation import as_choice, is_int, shown
 
-__all__ = ["DEFAULT_THRESHOLD", "FORECASTS", "check_forecast", "check_max_skips", "check_threshold", "full_step_due",
-           "extrapolate", "relative_change"]
+__all__ = ["DEFAULT_THRESHOLD", "FORECASTS", "cached_steps_ahead", "check_forecast", "check_max_skips",
+           "check_threshold", "extrapolate", "forecast_error", "full_step_due", "relative_change"]
 
 # The threshold this package suggests: a full step whenever the deep part's input has moved by 15 % of its size
 # since the last one. On the shipped shapes model the signal's summed change over a generation is 1.50-1.57 with
 # DDIM, Euler and DPM-Solver++ at 20 and at 50 steps, so 0.15 gives 10 full steps of 20 and 11 of 50 with every one
-# of them (docs/design.md, "The adaptive rule"; docs/measurements/adaptive_signals_shapes.json).
+# of them (docs/design.md, "The adaptive rule"; docs/measurements/adaptive_signals_shapes.json). With the forecast
+# the same value bounds the forecast's summed predicted error (docs/design.md, "The rule with the forecast").
 DEFAULT_THRESHOLD = 0.15
 FORECASTS = ("linear",)
+LONGEST_RUN = 1000  # the rule with the forecast caches at most this many steps in a row (an exact forecast: no end)
 
 
 def check_threshold(value: Any) -> Optional[float]:
@@ -58,7 +70,8 @@ def check_threshold(value: Any) -> Optional[float]:
             or value < 0:
         raise ValueError("threshold must be None (a full step every interval steps) or a finite number >= 0 (the "
                          "adaptive rule: the relative change of the deep part's input, summed since the last full "
-                         f"step, at which a step runs in full; 0 = every step full; e.g. {DEFAULT_THRESHOLD}); "
+                         "step, at which a step runs in full, or with forecast='linear' the forecast's predicted "
+                         f"relative error summed over the cached steps; 0 = every step full; e.g. {DEFAULT_THRESHOLD}); "
                          f"got {shown(value)}")
     return float(value)
 
@@ -122,3 +135,40 @@ def extrapolate(last: Any, earlier: Any, last_step: int, earlier_step: int, step
     if not isinstance(last, paddle.Tensor) or not isinstance(earlier, paddle.Tensor) or last.shape != earlier.shape:
         return last
     return last + (last - earlier) * scale
+
+
+def forecast_error(current: Any, last: Any, earlier: Any, step: int, last_step: int, earlier_step: int) -> paddle.Tensor:
+    """``mean|current - forecast| / mean|forecast|`` as a 0-d float32 tensor (not read), where the forecast is the
+    one :func:`extrapolate` makes for ``step`` from the work kept at ``last_step`` (``last``) and ``earlier_step``
+    (``earlier``).
+
+    >>> a, b, c = (paddle.to_tensor(v) for v in ([1.0, 2.0], [2.0, 4.0], [4.0, 4.0]))
+    >>> round(float(forecast_error(c, b, a, 2, 1, 0)), 4)  # forecast [3, 6]: mean|[1, -2]| / mean|[3, 6]|
+    0.3333
+    """
+    return relative_change(current, extrapolate(last, earlier, last_step, earlier_step, step))
+
+
+def cached_steps_ahead(error: float, gap: int, previous_gap: int, threshold: float, max_skips: Optional[int]) -> int:
+    """How many steps after a full step the rule with the forecast caches: the most ``n`` for which the predicted
+    errors of the forecasts ``1 .. n`` steps ahead sum to at most ``threshold`` (and ``n <= max_skips``). ``error``
+    is the relative error observed at this full step of the forecast made ``gap`` steps after the last full step
+    from it and the one ``previous_gap`` steps before it; a forecast ``j`` steps ahead then errs by about
+    ``error * j * (j + gap) / (gap * (gap + previous_gap))``. A non-finite ``error`` caches nothing.
+
+    >>> cached_steps_ahead(0.1, 1, 1, threshold=0.15, max_skips=None)  # 0.05 * (1*2 + 2*3 + ...): 0.1, 0.4
+    1
+    >>> cached_steps_ahead(0.01, 3, 3, threshold=0.15, max_skips=None)  # (0.01 / 18) * (4 + 10 + 18 + ...)
+    7
+    """
+    if not math.isfinite(error) or error < 0 or gap < 1 or previous_gap < 1:
+        return 0
+    scale = error / (gap * (gap + previous_gap))
+    cap = LONGEST_RUN if max_skips is None else min(max_skips, LONGEST_RUN)
+    total, n = 0.0, 0
+    while n < cap:
+        total += scale * (n + 1) * (n + 1 + gap)
+        if total > threshold:
+            break
+        n += 1
+    return n

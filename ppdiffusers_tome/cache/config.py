@@ -41,7 +41,9 @@ class CacheConfig:
             their steps, and so is the last step of a pipeline's loop.
         max_skips: with ``threshold``: at most this many cached steps in a row (``None``: no cap; else ``int >= 1``).
         forecast: ``None`` (reuse the last full step's work as it is) or ``"linear"`` (extrapolate it from the last
-            two full steps, first order in the step index).
+            two full steps, first order in the step index). With ``threshold`` the forecast also changes the rule:
+            the steps after a full step are cached while the forecast's predicted error, from the error it made at
+            that full step, summed over them stays within ``threshold`` (steps 0, 1 and 2 are full).
         whole_model: ``True`` caches whole calls of the model (its output residual), for models whose blocks cannot
             be reached, such as SD3 built with ``INFERENCE_OPTIMIZE=True`` (:mod:`~ppdiffusers_tome.cache.whole_model`);
             ``depth`` and ``layers`` then do not apply.

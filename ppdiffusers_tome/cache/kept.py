@@ -1,6 +1,7 @@
 """What the step cache keeps between calls, as two small typed classes: :class:`KeptStep` (what one full step of a
 call site made) and :class:`Site` (everything one call site remembers: its last full steps and, for the adaptive
-rule, the previous step's signal and what has accumulated since the last full step).
+rule, the previous step's signal and what has accumulated since the last full step, or with the forecast the step
+of the next full one).
 
 Both live in the calling thread's state (``StepCache.step.sites``: call site -> :class:`Site`), so threads and call
 sites never share them; nothing here is pickled or copied with a model.
@@ -57,9 +58,10 @@ class Site:
         signal: the adaptive rule's signal of the previous call (the deep part's input), or None.
         accumulated: the relative changes of the signal summed over the steps since the last full step.
         skips: cached steps in a row since the last full step.
+        next_full: the rule with the forecast: the first step from which the site runs in full again.
     """
 
-    __slots__ = ("kept", "earlier", "signal", "accumulated", "skips")
+    __slots__ = ("kept", "earlier", "signal", "accumulated", "skips", "next_full")
 
     def __init__(self) -> None:
         self.kept: Optional[KeptStep] = None
@@ -67,3 +69,4 @@ class Site:
         self.signal: Any = None
         self.accumulated = 0.0
         self.skips = 0
+        self.next_full = 0

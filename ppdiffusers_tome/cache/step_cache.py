@@ -23,7 +23,8 @@ own features (:mod:`ppdiffusers_tome.core.generation`): every pipeline call that
 whatever pipeline object made it. A model called outside a pipeline counts its calls from :func:`apply_cache` or
 :func:`reset_cache`. With gradients on (training, guidance by gradients) every call is full and nothing is kept.
 With the fixed interval nothing is read from the device: which steps are full is decided by Python counters; the
-adaptive rule (``threshold=``, :mod:`ppdiffusers_tome.cache.adaptive`) reads one scalar per call.
+adaptive rule (``threshold=``, :mod:`ppdiffusers_tome.cache.adaptive`) reads one scalar per call, and with the forecast
+one per full step.
 
 **The whole-model cache** (``whole_model=True``, :mod:`ppdiffusers_tome.cache.whole_model`) skips whole calls of a
 denoiser, for models whose blocks cannot be reached (SD3 built with ``INFERENCE_OPTIMIZE=True``).
@@ -46,7 +47,7 @@ from ..core.registry import LOCK, Hook, StaticGraphError, add_hook, hooks_of, re
 from ..core.targets import fused_sd3_reason, is_fused_sd3, keyword_call, pipeline_candidates, resolve
 from ..core.validation import is_int
 from ..ops.runtime import converting
-from .adaptive import extrapolate, full_step_due, relative_change
+from .adaptive import cached_steps_ahead, extrapolate, forecast_error, full_step_due, relative_change
 from .config import CONFIG_FIELDS, CacheConfig
 from .kept import KeptStep, Site
 from .layout import AUTO, CacheLayout, TransformerLayout, layout_of, too_few_blocks
@@ -94,6 +95,8 @@ class StepCache:
         self.model, self.config, self.layout = model, config, layout
         self.deep = layout.deep  # (name, layer) of the deep parts, in call order
         self.threshold, self.max_skips, self.forecast = config.threshold, config.max_skips, config.forecast
+        # which rule decides the full steps: the interval, the signal's change, or the forecast's error
+        self.rule = "interval" if self.threshold is None else "adaptive" if self.forecast is None else "forecast"
         self.step = _Step()
         self.calls = self.full_calls = self.cached_calls = self.fallbacks = self.grad_calls = 0
         self.recent = _recent()  # site 0's full and cached steps of the latest generation
@@ -151,7 +154,7 @@ class StepCache:
 
     def status(self) -> Dict[str, Any]:
         return {"settings": self.config.to_dict(), "layers": self.layout.layers, "deep_blocks": len(self.deep),
-                "rule": "interval" if self.threshold is None else "adaptive", "threshold": self.threshold,
+                "rule": self.rule, "threshold": self.threshold,
                 "calls": self.calls, "full_calls": self.full_calls, "cached_calls": self.cached_calls,
                 "fallbacks": self.fallbacks, "grad_calls": self.grad_calls,
                 "last_full_steps": list(self.recent[0]), "last_cached_steps": list(self.recent[1])}
@@ -202,12 +205,19 @@ class StepCache:
 
     def _adaptive_mode(self, index: int, site: Site) -> str:
         """The kind of step a call of the adaptive rule starts as: ``"full"`` (nothing kept, ``threshold=0``,
-        ``max_skips`` reached, a protected step) or ``"decide"`` (the rule decides at the first deep part)."""
+        ``max_skips`` reached, a protected step, or with the forecast the step its last full step chose),
+        ``"cached"`` (with the forecast, before that step) or ``"decide"`` (the rule decides on the signal at the
+        first deep part)."""
         if site.kept is None or self.threshold == 0 or (self.max_skips is not None and site.skips >= self.max_skips):
+            return "full"
+        forecast = self.rule == "forecast"
+        if forecast and index >= site.next_full:
             return "full"
         current = generation.current()
         last = current.total - 1 if current is not None and current.total else None
-        return "full" if self.config.protects(index, last) else "decide"
+        if self.config.protects(index, last):
+            return "full"
+        return "cached" if forecast else "decide"
 
     def arrive(self, step: _Step, site: Optional[Site], shape: Any, signal: Any, mode: str) -> str:
         """At the first deep part (the whole model: at the call): the step's final kind. A step whose ``shape``
@@ -216,7 +226,7 @@ class StepCache:
         if mode != "full" and shape != site.kept.shape:
             mode = "full"
             self.fallbacks += 1
-        if self.threshold is not None:
+        if self.rule == "adaptive":
             previous, site.signal = site.signal, signal
             if mode == "decide" and previous is not None and previous.shape == signal.shape:
                 change = float(relative_change(signal, previous))  # the one scalar read to the host per call
@@ -260,10 +270,25 @@ class StepCache:
             return
         if site is None:
             site = step.sites[step.site] = Site()
-        earlier = site.kept
+        before, earlier = site.earlier, site.kept
         site.earlier = earlier if self.forecast is not None and earlier is not None and \
             earlier.shape == pending.shape else None
+        if self.rule == "forecast":
+            site.next_full = index + 1 + self._cached_ahead(pending, site.earlier, before)
         site.kept = pending
+
+    def _cached_ahead(self, kept: KeptStep, earlier: Optional[KeptStep], before: Optional[KeptStep]) -> int:
+        """The rule with the forecast at the full step ``kept``: how many steps after it are cached, from the error
+        of the forecast ``before`` and ``earlier`` made for it (:func:`~.adaptive.cached_steps_ahead`; the one
+        scalar read of a full step). 0 until three full steps of the same shape are kept."""
+        if earlier is None or before is None or before.shape != earlier.shape:
+            return 0
+        work = [_work_tensor(k, self.deep) for k in (kept, earlier, before)]
+        if any(w is None for w in work):
+            return 0
+        error = float(forecast_error(*work, kept.step, earlier.step, before.step))
+        return cached_steps_ahead(error, kept.step - earlier.step, earlier.step - before.step, self.threshold,
+                                  self.max_skips)
 
     def failed(self, step: _Step, site: Optional[Site]) -> None:
         """A call that raised or was interrupted keeps nothing and leaves its site as it was before the call (the
@@ -271,6 +296,15 @@ class StepCache:
         step.mode, step.pending = None, None
         if site is not None and self.threshold is not None:
             site.signal, site.accumulated, site.skips = step.saved
+
+
+def _work_tensor(kept: KeptStep, deep: List[Tuple[str, paddle.nn.Layer]]) -> Optional[paddle.Tensor]:
+    """The work of a full step the rule with the forecast measures: the first stream's contribution (a transformer,
+    the whole model), else the last deep part's output (its first tensor); None when the step kept neither."""
+    value = kept.delta[0] if kept.delta is not None else kept.outputs.get(deep[-1][0]) if deep else None
+    if isinstance(value, (tuple, list)):
+        value = value[0] if value else None
+    return value if isinstance(value, paddle.Tensor) else None
 
 
 def _recent() -> Tuple[Deque[int], Deque[int]]:
@@ -326,6 +360,11 @@ def _why_all_full(config: CacheConfig) -> Optional[str]:
     if config.threshold is not None:
         if config.threshold == 0:
             return None
+        if config.forecast is not None:
+            return (f"With threshold={config.threshold!r} and forecast={config.forecast!r} the rule found the "
+                    "forecast's error too large to cache any step (it needs three full steps first; the first and "
+                    "the last step of a pipeline call, and the steps of start, stop and full_steps, are always full): "
+                    "a larger threshold caches more; or use more steps, or remove_cache.")
         return (f"With threshold={config.threshold!r} the adaptive rule found the deep part's input changed by at "
                 "least that much at every step it could cache (the first and the last step of a pipeline call, and "
                 "the steps of start, stop and full_steps, are always full): a larger threshold caches more; or use "
@@ -509,7 +548,7 @@ def cache_status(obj: Any) -> Dict[str, Optional[Dict[str, Any]]]:
     of ``deep_blocks``, the ``layers`` in effect (``layers="auto"`` resolved: an int, or None for whole levels) and
     the counters ``calls``, ``full_calls``, ``cached_calls``, ``fallbacks`` (cached steps
     computed in full because the input's shape differed from the kept step's) and ``grad_calls`` (calls with
-    gradients on, always full); the ``rule`` (``"interval"`` or ``"adaptive"``) and the ``threshold`` in effect
+    gradients on, always full); the ``rule`` (``"interval"``, ``"adaptive"``, or ``"forecast"``: the adaptive rule with the forecast) and the ``threshold`` in effect
     (None with the interval); ``last_full_steps`` and ``last_cached_steps``, the 0-based steps of the latest
     generation's first call site that ran in full and cached (the last 1,000 of each).
 

@@ -311,7 +311,7 @@ def test_static_graphs_and_step_programs_refuse_the_adaptive_rule_by_name():
 
 
 def test_threads_keep_separate_signals_on_one_unet():
-    unet = ppdiffusers_tome.apply_cache(tiny_unet(), threshold=0.12, forecast="linear")
+    unet = ppdiffusers_tome.apply_cache(tiny_unet(), threshold=0.12)
     streams = [[unet_step(step, seed) for step in range(6)] for seed in (1, 2)]
     alone, together = alone_and_together(lambda step: output(unet, step), streams,
                                          reset=lambda: ppdiffusers_tome.reset_cache(unet))

@@ -86,13 +86,13 @@ def test_the_feature_distance_and_the_summary_follow_from_their_inputs(bench):
 def test_a_short_run_on_a_tiny_sd3_layout_writes_a_consistent_record_and_its_plot(bench, tmp_path, capsys):
     args = ["--model", "sd3", "--width", "64", "--layers", "3", "--size", "96", "--steps", "4", "--seeds", "1",
             "--thresholds", "5", "--threads", "1", "--output", str(tmp_path), "--configs", "interval 2",
-            "adaptive 5 + forecast"]
+            "adaptive 5"]
     assert bench.main(args) == 0
     data = json.loads((tmp_path / "results.json").read_text(encoding="utf-8"))
-    assert list(data["summary"]) == ["vanilla", "interval 2", "adaptive 5 + forecast"]
+    assert list(data["summary"]) == ["vanilla", "interval 2", "adaptive 5"]
     vanilla, interval = data["per_seed"]["vanilla"][0], data["per_seed"]["interval 2"][0]
     assert interval["speedup"] == pytest.approx(vanilla["seconds"] / interval["seconds"])
-    adaptive = data["per_seed"]["adaptive 5 + forecast"][0]
+    adaptive = data["per_seed"]["adaptive 5"][0]
     # interval 2: steps 0 and 2 of 4; a huge threshold: the first and the last step
     assert (vanilla["full_steps"], interval["full_steps"], adaptive["full_steps"]) == (4, 2, 2)
     assert 0 < interval["ssim"] < 1 and np.isfinite(interval["psnr_db"]) and interval["distance"] > 0

@@ -1,7 +1,8 @@
 """Python calls per UNet call in SD-1.5's block layout (``benchmarks/call_counts.py``), held under the bounds written
 there: at most 60 calls inside the package when every block is skipped, 250 when the 5 finest blocks merge with the
-defaults on CPU kernels, 70 for the step cache at interval 1, and at most 15 more for its adaptive rule than for the
-fixed interval (a call the rule caches, and one it runs in full). Counts, not times: deterministic on any machine."""
+defaults on CPU kernels, 70 for the step cache at interval 1, and at most 15 more for its adaptive rule, with or
+without the forecast, than for the fixed interval (a call the rule caches, and one it runs in full). Counts, not
+times: deterministic on any machine."""
 
 import pytest
 
@@ -28,6 +29,8 @@ def test_the_adaptive_rule_adds_at_most_15_package_calls_to_the_fixed_intervals_
     # the counted calls are what their names say: step 1, which the rule cached or ran in full
     assert rows["cache, adaptive, cached call"]["cache"]["last_cached_steps"] == [1]
     assert rows["cache, adaptive, full call"]["cache"]["last_full_steps"] == [0, 1]
+    assert rows["cache, forecast rule, cached call"]["cache"]["last_cached_steps"] == [3]
+    assert rows["cache, forecast rule, full call"]["cache"]["last_full_steps"] == [0, 1, 2, 3]
 
 
 def test_a_skipped_block_costs_less_than_a_merging_one_and_a_cached_call_less_than_vanilla(rows):

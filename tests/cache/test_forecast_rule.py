@@ -1,0 +1,209 @@
+"""The adaptive rule with the forecast (``threshold=`` with ``forecast="linear"``): the full steps against the rule
+written out in numpy (float64) on the work recorded from the model, for a UNet's deep part and the whole model; the
+first three steps, the cap and the protected steps; one scalar computed per full step and none per cached step;
+``threshold=0`` bit for bit; each call site and thread on its own; an interrupted call changes nothing."""
+
+import numpy as np
+import paddle
+import pytest
+
+import ppdiffusers_tome
+from ppdiffusers_tome.cache import step_cache
+from ppdiffusers_tome.cache.adaptive import cached_steps_ahead, forecast_error
+from ppdiffusers_tome.cache.step_cache import deep_blocks, get_cache
+from ppdiffusers_tome.testing import tiny_sd3_transformer, tiny_sd_pipeline, tiny_unet
+from tests.cache.test_adaptive_cache import CallsPerStep, guidance_half, output, record_outputs, view
+from tests.conftest import run
+from tests.thread_runs import alone_and_together
+
+# how far each step's latents have moved: slowly bending, then faster at the end, as a sampler's trajectory does
+BEND = (0.0, 0.1, 0.19, 0.27, 0.34, 0.4, 0.45, 0.5, 0.56, 0.64, 0.75, 0.9)
+
+
+def unet_step(step, seed=0):
+    rng = np.random.default_rng(seed)
+    base, drift = rng.standard_normal((2, 2, 4, 16, 16)).astype("float32")
+    context = rng.standard_normal((2, 5, 32)).astype("float32")
+    return (paddle.to_tensor(base + BEND[step] * drift), paddle.to_tensor([900 - 70 * step] * 2),
+            paddle.to_tensor(context)), {}
+
+
+def sd3_step(step, seed=0):
+    rng = np.random.default_rng(seed)
+    base, drift = rng.standard_normal((2, 2, 16, 16, 16)).astype("float32")
+    text, pooled = rng.standard_normal((2, 7, 96)).astype("float32"), rng.standard_normal((2, 64)).astype("float32")
+    return (paddle.to_tensor(base + BEND[step] * drift), paddle.to_tensor(text), paddle.to_tensor(pooled),
+            paddle.to_tensor([900.0 - 70 * step] * 2)), {}
+
+
+def unet_work(model):
+    """The UNet's work per step without a cache: its last deep part's output (what a cached step forecasts)."""
+    seen, hook = record_outputs(deep_blocks(model, 1)[-1][1])
+    for step in range(len(BEND)):
+        output(model, unet_step(step))
+    hook.remove()
+    return [s[0] if isinstance(s, list) else s for s in seen]
+
+
+def whole_work(make_step):
+    """The whole model's work per step: its output minus its input latents."""
+    def record(model):
+        return [output(model, make_step(step)) - make_step(step)[0][0].numpy() for step in range(len(BEND))]
+    return record
+
+
+# (model, one step's inputs, the work the rule measures, apply_cache options, a threshold)
+CASES = {
+    "unet": (tiny_unet, unet_step, unet_work, {}, 0.3),
+    "unet whole": (tiny_unet, unet_step, whole_work(unet_step), dict(whole_model=True), 0.3),
+    "sd3 whole": (lambda: tiny_sd3_transformer(num_layers=3), sd3_step, whole_work(sd3_step), dict(whole_model=True),
+                  0.5),
+}
+
+
+def reference_rule(work, threshold, max_skips=None):
+    """The rule with the forecast written out in numpy, in float64: ``(full steps, smallest distance of a sum to the
+    threshold)``. The steps up to the third full one are full; at each full step ``f2`` after ``f0 < f1`` the error
+    ``e = mean|w(f2) - forecast| / mean|forecast|`` of the forecast from ``f0`` and ``f1`` is measured, and the next
+    ``n`` steps are cached for the largest ``n`` whose predicted errors ``e * j * (j + h) / (h * (h + h0))``
+    (``j = 1 .. n``) sum to at most ``threshold``."""
+    work = [w.astype(np.float64) for w in work]
+    full, next_full, margin = [], 0, np.inf
+    for step in range(len(work)):
+        if step < next_full:
+            continue
+        full.append(step)
+        next_full = step + 1
+        if len(full) < 3:
+            continue
+        f0, f1, f2 = full[-3:]
+        forecast = work[f1] + (work[f1] - work[f0]) * (f2 - f1) / (f1 - f0)
+        error = np.abs(work[f2] - forecast).mean() / np.abs(forecast).mean()
+        h, h0 = f2 - f1, f1 - f0
+        j = np.arange(1, len(work) + 1, dtype=np.float64)
+        sums = np.cumsum(error * j * (j + h) / (h * (h + h0)))
+        margin = min(margin, np.abs(sums - threshold).min())
+        n = int(np.count_nonzero(sums <= threshold))
+        next_full += n if max_skips is None else min(n, max_skips)
+    return full, margin
+
+
+# the rule against numpy --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("max_skips", [None, 1])
+@pytest.mark.parametrize("kind", list(CASES))
+def test_the_full_steps_are_those_of_a_numpy_reference_on_the_recorded_work(kind, max_skips):
+    build, make_step, record, options, threshold = CASES[kind]
+    model = build()
+    work = record(model)
+    ppdiffusers_tome.apply_cache(model, threshold=threshold, max_skips=max_skips, forecast="linear", **options)
+    for step in range(len(BEND)):
+        output(model, make_step(step))
+    expected, margin = reference_rule(work, threshold, max_skips)
+    assert margin > 1e-4 * threshold  # no sum on the edge of the threshold, where float32 and float64 could disagree
+    status = ppdiffusers_tome.cache_status(model)[type(model).__name__]
+    assert status["rule"] == "forecast" and status["threshold"] == threshold
+    assert status["last_full_steps"] == expected
+    assert status["last_cached_steps"] == [s for s in range(len(BEND)) if s not in expected]
+    assert expected[:3] == [0, 1, 2] and 5 <= len(expected) <= len(BEND) - 3, expected  # it cached and computed
+    if max_skips == 1:
+        assert all(b - a <= 2 for a, b in zip(expected, expected[1:]))
+    else:
+        assert any(b - a > 2 for a, b in zip(expected, expected[1:])), expected  # the gaps grow where it may
+
+
+def test_the_forecasts_error_is_the_numpy_relative_error_of_the_extrapolation():
+    rng = np.random.default_rng(4)
+    before, earlier, current = (rng.standard_normal((2, 4, 8, 8)) for _ in range(3))
+    forecast = earlier + (earlier - before) * (9 - 5) / (5 - 3)  # full steps 3 and 5, measured at 9
+    expected = np.abs(current - forecast).mean() / np.abs(forecast).mean()
+    got = forecast_error(*(paddle.to_tensor(x.astype("float32")) for x in (current, earlier, before)), 9, 5, 3)
+    assert str(got.dtype) == str(paddle.float32) and list(got.shape) == []
+    assert float(got) == pytest.approx(float(expected), rel=1e-5)
+
+
+def test_cached_steps_ahead_is_the_largest_count_whose_predicted_errors_fit():
+    for error, gap, previous, threshold in [(0.1, 1, 1, 0.15), (0.02, 2, 1, 0.3), (0.004, 3, 3, 0.15), (0.5, 1, 2, 0.1)]:
+        n = cached_steps_ahead(error, gap, previous, threshold, None)
+        predicted = lambda k: sum(error * j * (j + gap) / (gap * (gap + previous)) for j in range(1, k + 1))  # noqa
+        assert predicted(n) <= threshold < predicted(n + 1)
+        assert cached_steps_ahead(error, gap, previous, threshold, max(n - 1, 1)) == min(n, max(n - 1, 1))
+    assert cached_steps_ahead(float("nan"), 1, 1, 0.15, None) == 0
+    assert cached_steps_ahead(0.0, 1, 1, 0.15, 4) == 4  # an exact forecast: only the cap ends the run
+
+
+# protected steps, the cap, what is read ----------------------------------------------------------------------------
+def test_in_a_pipeline_the_first_three_and_the_last_step_are_full_and_max_skips_start_stop_full_steps_hold():
+    pipe = tiny_sd_pipeline().apply_cache(threshold=1e6, max_skips=2, forecast="linear")
+    run(pipe, steps=10)
+    assert ppdiffusers_tome.cache_status(pipe)["unet"]["last_full_steps"] == [0, 1, 2, 5, 8, 9]
+    pipe.apply_cache(threshold=1e6, forecast="linear", start=3, stop=9, full_steps=(6,))
+    run(pipe, steps=10)
+    assert ppdiffusers_tome.cache_status(pipe)["unet"]["last_full_steps"] == [0, 1, 2, 3, 6, 9]
+
+
+def test_the_forecasts_error_is_computed_once_per_full_step_from_the_third_and_never_on_a_cached_one(monkeypatch):
+    calls = []
+    real = step_cache.forecast_error
+
+    def counted(*args):
+        calls.append(get_cache(pipe.unet).full_calls)  # full calls so far, this one included
+        return real(*args)
+
+    monkeypatch.setattr(step_cache, "forecast_error", counted)
+    pipe = tiny_sd_pipeline().apply_cache(threshold=1e6, max_skips=2, forecast="linear")
+    run(pipe, steps=10)
+    assert calls == [3, 4, 5, 6]  # at the full steps 2, 5, 8 and 9 (the 3rd to the 6th), not at the 4 cached ones
+
+
+@pytest.mark.parametrize("whole", [False, True], ids=["blocks", "whole-model"])
+def test_threshold_0_with_the_forecast_is_vanilla_bit_for_bit(whole):
+    model = tiny_unet()
+    vanilla = [output(model, unet_step(step)) for step in range(6)]
+    ppdiffusers_tome.apply_cache(model, threshold=0, forecast="linear", whole_model=whole)
+    np.testing.assert_array_equal(np.stack([output(model, unet_step(step)) for step in range(6)]), np.stack(vanilla))
+    assert get_cache(model).cached_calls == 0
+
+
+# call sites, threads, interruptions --------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["guidance halves", "panorama views"])
+def test_each_call_site_measures_its_own_forecast_as_if_it_ran_alone(kind):
+    sites = [guidance_half(1), guidance_half(2)] if kind == "guidance halves" else [view(0), view(8), view(16)]
+    pipe = CallsPerStep(tiny_unet()).apply_cache(threshold=0.3, forecast="linear")
+    together = pipe(sites, 8)
+    full = []
+    for site, got in zip(sites, together):  # each site alone, in a generation of its own: the same outputs
+        np.testing.assert_array_equal(np.stack(pipe([site], 8)[0]), np.stack(got))
+        full.append(tuple(ppdiffusers_tome.cache_status(pipe)["unet"]["last_full_steps"]))
+    assert all(3 <= len(f) < 8 for f in full), full  # every site both cached and computed
+
+
+def test_threads_keep_separate_forecasts_on_one_unet():
+    unet = ppdiffusers_tome.apply_cache(tiny_unet(), threshold=0.3, forecast="linear")
+    streams = [[unet_step(step, seed) for step in range(len(BEND))] for seed in (1, 2)]
+    alone, together = alone_and_together(lambda step: output(unet, step), streams,
+                                         reset=lambda: ppdiffusers_tome.reset_cache(unet))
+    for a, b in zip(alone, together):
+        np.testing.assert_array_equal(np.stack(a), np.stack(b))
+    assert get_cache(unet).cached_calls > 0
+
+
+@pytest.mark.parametrize("at", [4, 5], ids=["full-step", "cached-step"])
+def test_an_interrupted_call_leaves_the_next_full_step_as_it_was(at):
+    expected_model = ppdiffusers_tome.apply_cache(tiny_unet(), threshold=0.3, forecast="linear")
+    expected = [output(expected_model, unet_step(step)) for step in range(len(BEND))]
+    reference = ppdiffusers_tome.cache_status(expected_model)["UNet2DConditionModel"]
+    assert at in (reference["last_full_steps"] if at == 4 else reference["last_cached_steps"])
+    unet = ppdiffusers_tome.apply_cache(tiny_unet(), threshold=0.3, forecast="linear")
+    got = [output(unet, unet_step(step)) for step in range(at)]
+
+    def interrupt(*_):
+        raise KeyboardInterrupt
+
+    handle = unet.conv_out.register_forward_pre_hook(interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        output(unet, unet_step(at, seed=9))
+    handle.remove()
+    got += [output(unet, unet_step(step)) for step in range(at, len(BEND))]
+    np.testing.assert_array_equal(np.stack(got), np.stack(expected))
+    status = ppdiffusers_tome.cache_status(unet)["UNet2DConditionModel"]
+    assert status["last_full_steps"] == reference["last_full_steps"]
