@@ -280,8 +280,9 @@ class StepCache:
     def _cached_ahead(self, kept: KeptStep, earlier: Optional[KeptStep], before: Optional[KeptStep]) -> int:
         """The rule with the forecast at the full step ``kept``: how many steps after it are cached, from the error
         of the forecast ``before`` and ``earlier`` made for it (:func:`~.adaptive.cached_steps_ahead`; the one
-        scalar read of a full step). 0 until three full steps of the same shape are kept."""
-        if earlier is None or before is None or before.shape != earlier.shape:
+        scalar read of a full step). 0 until three full steps of the same shape are kept, and at ``threshold=0``
+        (every step full, nothing measured)."""
+        if self.threshold == 0 or earlier is None or before is None or before.shape != earlier.shape:
             return 0
         work = [_work_tensor(k, self.deep) for k in (kept, earlier, before)]
         if any(w is None for w in work):

@@ -156,12 +156,15 @@ def test_the_forecasts_error_is_computed_once_per_full_step_from_the_third_and_n
 
 
 @pytest.mark.parametrize("whole", [False, True], ids=["blocks", "whole-model"])
-def test_threshold_0_with_the_forecast_is_vanilla_bit_for_bit(whole):
+def test_threshold_0_with_the_forecast_is_vanilla_bit_for_bit_and_measures_nothing(whole, monkeypatch):
+    measured = []
+    real = step_cache.forecast_error
+    monkeypatch.setattr(step_cache, "forecast_error", lambda *args: measured.append(1) or real(*args))
     model = tiny_unet()
     vanilla = [output(model, unet_step(step)) for step in range(6)]
     ppdiffusers_tome.apply_cache(model, threshold=0, forecast="linear", whole_model=whole)
     np.testing.assert_array_equal(np.stack([output(model, unet_step(step)) for step in range(6)]), np.stack(vanilla))
-    assert get_cache(model).cached_calls == 0
+    assert get_cache(model).cached_calls == 0 and not measured
 
 
 # call sites, threads, interruptions --------------------------------------------------------------------------------
