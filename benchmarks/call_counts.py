@@ -42,7 +42,7 @@ ADAPTIVE_BOUND = 15
 ADAPTIVE_PAIRS = {"cache, adaptive, cached call": "cache, interval 3, cached call",
                   "cache, adaptive, full call": "cache, interval 3, full call",
                   "cache, forecast rule, cached call": "cache, interval 3, cached call",
-                  "cache, forecast rule, full call": "cache, interval 3, full call"}
+                  "cache, forecast rule, full call": "cache, interval 3, full call at step 3"}
 
 
 def sd15_layout_unet():
@@ -101,15 +101,16 @@ CONFIGS = [
     ("cache, interval 1", None, dict(interval=1), False, 1),
     ("cache, interval 3, full call", None, dict(interval=3), False, 0),
     ("cache, interval 3, cached call", None, dict(interval=3), False, 1),
+    ("cache, interval 3, full call at step 3", None, dict(interval=3), False, 3),
     ("tome + cache 3, cached call", {}, dict(interval=3), False, 1),
     # step 1 of a generation: the rule reads the signal's change and caches (a huge threshold) or runs in full (a tiny
     # one; not threshold=0, which runs every step in full without reading anything)
     ("cache, adaptive, cached call", None, dict(threshold=1e9), False, 1),
     ("cache, adaptive, full call", None, dict(threshold=1e-9), False, 1),
-    # step 3, after the three full steps the rule with the forecast starts with: cached (a huge threshold), or run in
-    # full and measured (a tiny one)
+    # the rule with the forecast: step 2, the third full step, the first that measures the forecast's error and reads
+    # it; step 3, cached after it (a huge threshold)
     ("cache, forecast rule, cached call", None, dict(threshold=1e9, forecast="linear"), False, 3),
-    ("cache, forecast rule, full call", None, dict(threshold=1e-9, forecast="linear"), False, 3),
+    ("cache, forecast rule, full call", None, dict(threshold=1e9, forecast="linear"), False, 2),
 ]
 MOVED = {"cache, adaptive, full call"}  # configurations whose counted call gets other latents than the call before
 
