@@ -29,20 +29,21 @@ DRIFT = (0.0, 0.05, 0.09, 0.3, 0.34, 0.38, 0.7, 0.75)  # how far each step's lat
 
 
 # made-up trajectories: the latents drift by uneven amounts, the timestep falls ---------------------------------------
-def unet_step(step, seed=0):
+def unet_step(step, seed=0, moves=DRIFT, fall=100):
+    """Step ``step`` of a made-up trajectory: the latents moved by ``moves[step]``, the timestep ``900 - fall * step``."""
     rng = np.random.default_rng(seed)
     base, drift = rng.standard_normal((2, 2, 4, 16, 16)).astype("float32")
     context = rng.standard_normal((2, 5, 32)).astype("float32")
-    return (paddle.to_tensor(base + DRIFT[step] * drift), paddle.to_tensor([900 - 100 * step] * 2),
+    return (paddle.to_tensor(base + moves[step] * drift), paddle.to_tensor([900 - fall * step] * 2),
             paddle.to_tensor(context)), {}
 
 
-def sd3_step(step, seed=0):
+def sd3_step(step, seed=0, moves=DRIFT, fall=100):
     rng = np.random.default_rng(seed)
     base, drift = rng.standard_normal((2, 2, 16, 16, 16)).astype("float32")
     text, pooled = rng.standard_normal((2, 7, 96)).astype("float32"), rng.standard_normal((2, 64)).astype("float32")
-    return (paddle.to_tensor(base + DRIFT[step] * drift), paddle.to_tensor(text), paddle.to_tensor(pooled),
-            paddle.to_tensor([900.0 - 100 * step] * 2)), {}
+    return (paddle.to_tensor(base + moves[step] * drift), paddle.to_tensor(text), paddle.to_tensor(pooled),
+            paddle.to_tensor([900.0 - fall * step] * 2)), {}
 
 
 def dit_step(step, seed=0):
@@ -219,23 +220,31 @@ def test_two_pipelines_sharing_a_unet_each_start_with_a_fresh_signal(init_image)
     assert (status["last_full_steps"], status["last_cached_steps"]) == (full, cached) and cached
 
 
-@pytest.mark.parametrize("at", [2, 3], ids=["cached-step", "full-step"])
-def test_an_interrupted_call_leaves_the_rules_sum_and_signal_as_it_found_them(at):
-    """Ctrl-C late in a call (in conv_out, on other latents) is no step and changes nothing the rule remembers: the
-    retried step and the steps after it decide and compute what an uninterrupted run does."""
-    expected_model = ppdiffusers_tome.apply_cache(tiny_unet(), threshold=0.12)
-    expected = [output(expected_model, unet_step(step)) for step in range(len(DRIFT))]
-    unet = ppdiffusers_tome.apply_cache(tiny_unet(), threshold=0.12)
-    got = [output(unet, unet_step(step)) for step in range(at)]
+def interrupted_and_uninterrupted(options, make_step, steps, at):
+    """``steps`` calls of a UNet cached with ``options``, where step ``at`` is first tried on other latents and
+    interrupted late (Ctrl-C in conv_out), then retried; and the same calls of an uninterrupted twin. Returns
+    ``(outputs, the twin's outputs, the UNet, the twin)``."""
+    twin = ppdiffusers_tome.apply_cache(tiny_unet(), **options)
+    expected = [output(twin, make_step(step)) for step in range(steps)]
+    unet = ppdiffusers_tome.apply_cache(tiny_unet(), **options)
+    got = [output(unet, make_step(step)) for step in range(at)]
 
     def interrupt(*_):
         raise KeyboardInterrupt
 
     handle = unet.conv_out.register_forward_pre_hook(interrupt)
     with pytest.raises(KeyboardInterrupt):
-        output(unet, unet_step(at, seed=9))
+        output(unet, make_step(at, seed=9))
     handle.remove()
-    got += [output(unet, unet_step(step)) for step in range(at, len(DRIFT))]
+    got += [output(unet, make_step(step)) for step in range(at, steps)]
+    return got, expected, unet, twin
+
+
+@pytest.mark.parametrize("at", [2, 3], ids=["cached-step", "full-step"])
+def test_an_interrupted_call_leaves_the_rules_sum_and_signal_as_it_found_them(at):
+    """An interrupted call is no step and changes nothing the rule remembers: the retried step and the steps after
+    it decide and compute what an uninterrupted run does."""
+    got, expected, unet, expected_model = interrupted_and_uninterrupted(dict(threshold=0.12), unet_step, len(DRIFT), at)
     np.testing.assert_array_equal(np.stack(got), np.stack(expected))
     status, reference = (ppdiffusers_tome.cache_status(m)["UNet2DConditionModel"] for m in (unet, expected_model))
     assert status["last_full_steps"] == reference["last_full_steps"] == [0, 3, 6]

@@ -12,7 +12,15 @@ from ppdiffusers_tome.cache import step_cache
 from ppdiffusers_tome.cache.adaptive import cached_steps_ahead, forecast_error
 from ppdiffusers_tome.cache.step_cache import deep_blocks, get_cache
 from ppdiffusers_tome.testing import tiny_sd3_transformer, tiny_sd_pipeline, tiny_unet
-from tests.cache.test_adaptive_cache import CallsPerStep, guidance_half, output, record_outputs, view
+from tests.cache import test_adaptive_cache as adaptive_tests
+from tests.cache.test_adaptive_cache import (
+    CallsPerStep,
+    guidance_half,
+    interrupted_and_uninterrupted,
+    output,
+    record_outputs,
+    view,
+)
 from tests.conftest import run
 from tests.thread_runs import alone_and_together
 
@@ -21,19 +29,11 @@ BEND = (0.0, 0.1, 0.19, 0.27, 0.34, 0.4, 0.45, 0.5, 0.56, 0.64, 0.75, 0.9)
 
 
 def unet_step(step, seed=0):
-    rng = np.random.default_rng(seed)
-    base, drift = rng.standard_normal((2, 2, 4, 16, 16)).astype("float32")
-    context = rng.standard_normal((2, 5, 32)).astype("float32")
-    return (paddle.to_tensor(base + BEND[step] * drift), paddle.to_tensor([900 - 70 * step] * 2),
-            paddle.to_tensor(context)), {}
+    return adaptive_tests.unet_step(step, seed, moves=BEND, fall=70)
 
 
 def sd3_step(step, seed=0):
-    rng = np.random.default_rng(seed)
-    base, drift = rng.standard_normal((2, 2, 16, 16, 16)).astype("float32")
-    text, pooled = rng.standard_normal((2, 7, 96)).astype("float32"), rng.standard_normal((2, 64)).astype("float32")
-    return (paddle.to_tensor(base + BEND[step] * drift), paddle.to_tensor(text), paddle.to_tensor(pooled),
-            paddle.to_tensor([900.0 - 70 * step] * 2)), {}
+    return adaptive_tests.sd3_step(step, seed, moves=BEND, fall=70)
 
 
 def unet_work(model):
@@ -192,21 +192,9 @@ def test_threads_keep_separate_forecasts_on_one_unet():
 
 @pytest.mark.parametrize("at", [4, 5], ids=["full-step", "cached-step"])
 def test_an_interrupted_call_leaves_the_next_full_step_as_it_was(at):
-    expected_model = ppdiffusers_tome.apply_cache(tiny_unet(), threshold=0.3, forecast="linear")
-    expected = [output(expected_model, unet_step(step)) for step in range(len(BEND))]
-    reference = ppdiffusers_tome.cache_status(expected_model)["UNet2DConditionModel"]
+    got, expected, unet, twin = interrupted_and_uninterrupted(dict(threshold=0.3, forecast="linear"), unet_step,
+                                                              len(BEND), at)
+    reference = ppdiffusers_tome.cache_status(twin)["UNet2DConditionModel"]
     assert at in (reference["last_full_steps"] if at == 4 else reference["last_cached_steps"])
-    unet = ppdiffusers_tome.apply_cache(tiny_unet(), threshold=0.3, forecast="linear")
-    got = [output(unet, unet_step(step)) for step in range(at)]
-
-    def interrupt(*_):
-        raise KeyboardInterrupt
-
-    handle = unet.conv_out.register_forward_pre_hook(interrupt)
-    with pytest.raises(KeyboardInterrupt):
-        output(unet, unet_step(at, seed=9))
-    handle.remove()
-    got += [output(unet, unet_step(step)) for step in range(at, len(BEND))]
     np.testing.assert_array_equal(np.stack(got), np.stack(expected))
-    status = ppdiffusers_tome.cache_status(unet)["UNet2DConditionModel"]
-    assert status["last_full_steps"] == reference["last_full_steps"]
+    assert ppdiffusers_tome.cache_status(unet)["UNet2DConditionModel"]["last_full_steps"] == reference["last_full_steps"]
