@@ -280,9 +280,10 @@ class StepCache:
     def _cached_ahead(self, kept: KeptStep, earlier: Optional[KeptStep], before: Optional[KeptStep]) -> int:
         """The rule with the forecast at the full step ``kept``: how many steps after it are cached, from the error
         of the forecast ``before`` and ``earlier`` made for it (:func:`~.adaptive.cached_steps_ahead`; the one
-        scalar read of a full step). 0 until three full steps of the same shape are kept, and at ``threshold=0``
-        (every step full, nothing measured)."""
-        if self.threshold == 0 or earlier is None or before is None or before.shape != earlier.shape:
+        scalar read of a full step). 0 until three full steps of the same shape are kept (a site keeps ``earlier``
+        only when its shape is the next full step's, so ``before`` has ``earlier``'s), and at ``threshold=0`` (every
+        step full, nothing measured)."""
+        if self.threshold == 0 or earlier is None or before is None:
             return 0
         work = [_work_tensor(k, self.deep) for k in (kept, earlier, before)]
         if any(w is None for w in work):
@@ -361,15 +362,12 @@ def _why_all_full(config: CacheConfig) -> Optional[str]:
     if config.threshold is not None:
         if config.threshold == 0:
             return None
-        if config.forecast is not None:
-            return (f"With threshold={config.threshold!r} and forecast={config.forecast!r} the rule found the "
-                    "forecast's error too large to cache any step (it needs three full steps first; the first and "
-                    "the last step of a pipeline call, and the steps of start, stop and full_steps, are always full): "
-                    "a larger threshold caches more; or use more steps, or remove_cache.")
-        return (f"With threshold={config.threshold!r} the adaptive rule found the deep part's input changed by at "
-                "least that much at every step it could cache (the first and the last step of a pipeline call, and "
-                "the steps of start, stop and full_steps, are always full): a larger threshold caches more; or use "
-                "more steps, or remove_cache.")
+        found = (f"With threshold={config.threshold!r} the adaptive rule found the deep part's input changed by at "
+                 "least that much at every step it could cache (" if config.forecast is None else
+                 f"With threshold={config.threshold!r} and forecast={config.forecast!r} the rule found the forecast's "
+                 "error too large to cache any step (it needs three full steps first; ")
+        return found + ("the first and the last step of a pipeline call, and the steps of start, stop and full_steps, "
+                        "are always full): a larger threshold caches more; or use more steps, or remove_cache.")
     first = next((s for s in range(1, config.start + max(config.interval, len(config.full_steps or ())) + 2)
                   if not config.is_full(s)), None)
     if first is None:

@@ -198,3 +198,10 @@ def test_an_interrupted_call_leaves_the_next_full_step_as_it_was(at):
     assert at in (reference["last_full_steps"] if at == 4 else reference["last_cached_steps"])
     np.testing.assert_array_equal(np.stack(got), np.stack(expected))
     assert ppdiffusers_tome.cache_status(unet)["UNet2DConditionModel"]["last_full_steps"] == reference["last_full_steps"]
+
+
+def test_a_pipeline_call_the_rule_cached_nothing_in_warns_naming_the_forecast_and_its_first_three_steps():
+    pipe = tiny_sd_pipeline().apply_cache(threshold=1e-6, forecast="linear")
+    with pytest.warns(UserWarning, match=r"ran every call .* in full .*threshold=1e-06 and forecast='linear' .*"
+                                         r"needs three full steps first; the first and the last step .*a larger"):
+        run(pipe, steps=4)
