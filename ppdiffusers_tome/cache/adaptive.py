@@ -21,8 +21,11 @@ of the signal's change. At each full step ``f2`` after two others ``f0 < f1``, t
 what the forecast from ``f0`` and ``f1`` would have returned there: ``e = mean|w(f2) - forecast| / mean|forecast|`` (one
 scalar read per *full* step; cached steps read nothing). A linear forecast misses by the second-order term of the
 work's Taylor expansion, so a forecast ``j`` steps past ``f2`` (made from ``f1`` and ``f2``, ``h = f2 - f1`` apart)
-errs by about ``e * j * (j + h) / (h * (h + f1 - f0))``. The steps after ``f2`` are cached as long as these predicted
-errors, summed, stay within ``threshold`` (:func:`cached_steps_ahead`); the next step is full. Until a site has three
+errs by about ``e * j * (j + h) / (h * (h + f1 - f0))``, times the size of the step it stands in for relative to the
+loop's average step (a sampler moves the latents by its step's size times the prediction; in a pipeline the sizes
+come from its scheduler's timesteps, :meth:`~ppdiffusers_tome.core.generation.Generation.step_sizes`; elsewhere
+every step weighs 1). The steps after ``f2`` are cached as long as these predicted errors, summed, stay within
+``threshold`` (:func:`cached_steps_ahead`); the next step is full. Until a site has three
 full steps the next step is full (steps 0, 1 and 2 of a generation), since the error cannot be measured yet. Where the
 work changes evenly the gaps grow; where it bends (the first steps, the last ones) they shrink.
 
@@ -38,22 +41,27 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, Optional, Tuple
+from typing import Any, Optional, Sequence, Tuple
 
 import numpy as np
 import paddle
 
 from ..core.validation import as_choice, is_int, shown
 
-__all__ = ["DEFAULT_THRESHOLD", "FORECASTS", "cached_steps_ahead", "check_forecast", "check_max_skips",
-           "check_threshold", "extrapolate", "forecast_error", "full_step_due", "relative_change"]
+__all__ = ["DEFAULT_THRESHOLD", "FORECAST_THRESHOLD", "FORECASTS", "cached_steps_ahead", "check_forecast",
+           "check_max_skips", "check_threshold", "extrapolate", "forecast_error", "full_step_due", "relative_change"]
 
 # The threshold this package suggests: a full step whenever the deep part's input has moved by 15 % of its size
 # since the last one. On the shipped shapes model the signal's summed change over a generation is 1.50-1.57 with
 # DDIM, Euler and DPM-Solver++ at 20 and at 50 steps, so 0.15 gives 10 full steps of 20 and 11 of 50 with every one
-# of them (docs/design.md, "The adaptive rule"; docs/measurements/adaptive_signals_shapes.json). With the forecast
-# the same value bounds the forecast's summed predicted error (docs/design.md, "The rule with the forecast").
+# of them (docs/design.md, "The adaptive rule"; docs/measurements/adaptive_signals_shapes.json).
 DEFAULT_THRESHOLD = 0.15
+# The threshold this package suggests for the rule with the forecast (the forecast's predicted errors, weighed by the
+# steps' sizes, summed over a run of cached steps): with the whole-model cache it ran 12 full steps of 50 on the
+# shapes UNet (DDIM, 4.45x, closer to vanilla than interval 3) and 10 of 28 on the SD3 shapes model (flow-matching
+# Euler, 2.68x), each closer than fewer steps in the same time (docs/benchmarks.md 7.13, 8.13). With 20 steps or
+# fewer, 0.15 (docs/benchmarks.md 7.12).
+FORECAST_THRESHOLD = 0.3
 FORECASTS = ("linear",)
 LONGEST_RUN = 1000  # the rule with the forecast caches at most this many steps in a row (an exact forecast: no end)
 
@@ -71,7 +79,8 @@ def check_threshold(value: Any) -> Optional[float]:
         raise ValueError("threshold must be None (a full step every interval steps) or a finite number >= 0 (the "
                          "adaptive rule: the relative change of the deep part's input, summed since the last full "
                          "step, at which a step runs in full, or with forecast='linear' the forecast's predicted "
-                         f"relative error summed over the cached steps; 0 = every step full; e.g. {DEFAULT_THRESHOLD}); "
+                         "relative error summed over the cached steps; 0 = every step full; e.g. "
+                         f"{DEFAULT_THRESHOLD}, with the forecast {FORECAST_THRESHOLD}); "
                          f"got {shown(value)}")
     return float(value)
 
@@ -149,25 +158,32 @@ def forecast_error(current: Any, last: Any, earlier: Any, step: int, last_step: 
     return relative_change(current, extrapolate(last, earlier, last_step, earlier_step, step))
 
 
-def cached_steps_ahead(error: float, gap: int, previous_gap: int, threshold: float, max_skips: Optional[int]) -> int:
+def cached_steps_ahead(error: float, gap: int, previous_gap: int, threshold: float, max_skips: Optional[int],
+                       sizes: Optional[Sequence[float]] = None) -> int:
     """How many steps after a full step the rule with the forecast caches: the most ``n`` for which the predicted
     errors of the forecasts ``1 .. n`` steps ahead sum to at most ``threshold`` (and ``n <= max_skips``). ``error``
     is the relative error observed at this full step of the forecast made ``gap`` steps after the last full step
     from it and the one ``previous_gap`` steps before it; a forecast ``j`` steps ahead then errs by about
-    ``error * j * (j + gap) / (gap * (gap + previous_gap))``. A non-finite ``error`` caches nothing.
+    ``error * j * (j + gap) / (gap * (gap + previous_gap))``, weighed by ``sizes[j - 1]``, the size of the step it
+    stands in for relative to the loop's average step (None: 1; past its end, its last value). A non-finite
+    ``error`` caches nothing.
 
     >>> cached_steps_ahead(0.1, 1, 1, threshold=0.15, max_skips=None)  # 0.05 * (1*2 + 2*3 + ...): 0.1, 0.4
     1
     >>> cached_steps_ahead(0.01, 3, 3, threshold=0.15, max_skips=None)  # (0.01 / 18) * (4 + 10 + 18 + ...)
     7
+    >>> cached_steps_ahead(0.01, 3, 3, threshold=0.15, max_skips=None, sizes=(2.0,))  # every step counts twice
+    5
     """
     if not math.isfinite(error) or error < 0 or gap < 1 or previous_gap < 1:
         return 0
     scale = error / (gap * (gap + previous_gap))
     cap = LONGEST_RUN if max_skips is None else min(max_skips, LONGEST_RUN)
+    count = len(sizes) if sizes else 0
     total, n = 0.0, 0
     while n < cap:
-        total += scale * (n + 1) * (n + 1 + gap)
+        size = 1.0 if not count else sizes[min(n, count - 1)]
+        total += scale * (n + 1) * (n + 1 + gap) * size
         if total > threshold:
             break
         n += 1

@@ -43,7 +43,9 @@ class CacheConfig:
         forecast: ``None`` (reuse the last full step's work as it is) or ``"linear"`` (extrapolate it from the last
             two full steps, first order in the step index). With ``threshold`` the forecast also changes the rule:
             the steps after a full step are cached while the forecast's predicted error, from the error it made at
-            that full step, summed over them stays within ``threshold`` (steps 0, 1 and 2 are full).
+            that full step, weighed by each step's size (a pipeline's timesteps) and summed over them, stays within
+            ``threshold`` (steps 0, 1 and 2 are full; :data:`~ppdiffusers_tome.cache.adaptive.FORECAST_THRESHOLD`
+            = 0.3 is the suggested value, 0.15 with 20 steps or fewer).
         whole_model: ``True`` caches whole calls of the model (its output residual), for models whose blocks cannot
             be reached, such as SD3 built with ``INFERENCE_OPTIMIZE=True`` (:mod:`~ppdiffusers_tome.cache.whole_model`);
             ``depth`` and ``layers`` then do not apply.

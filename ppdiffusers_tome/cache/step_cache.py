@@ -289,8 +289,10 @@ class StepCache:
         if any(w is None for w in work):
             return 0
         error = float(forecast_error(*work, kept.step, earlier.step, before.step))
+        current = generation.current()
+        sizes = None if current is None else current.step_sizes() if current.sizes is False else current.sizes
         return cached_steps_ahead(error, kept.step - earlier.step, earlier.step - before.step, self.threshold,
-                                  self.max_skips)
+                                  self.max_skips, sizes[kept.step + 1:] if sizes else None)
 
     def failed(self, step: _Step, site: Optional[Site]) -> None:
         """A call that raised or was interrupted keeps nothing and leaves its site as it was before the call (the

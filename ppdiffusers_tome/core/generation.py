@@ -23,7 +23,9 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable, Iterable, Iterator, List, Optional, Tuple
 
-__all__ = ["Generation", "StepClock", "current", "hold", "holders", "release"]
+import numpy as np
+
+__all__ = ["Generation", "StepClock", "current", "hold", "holders", "relative_step_sizes", "release"]
 
 
 class _Thread(threading.local):
@@ -41,18 +43,56 @@ def current() -> Optional[Generation]:
     return THREAD.generation
 
 
+def relative_step_sizes(timesteps: Any, total: Optional[int]) -> Optional[Tuple[float, ...]]:
+    """How far each of a loop's ``total`` steps moves in the model's timestep, relative to the average step: the
+    loop runs the last ``total`` of ``timesteps`` (an img2img loop starts part-way), step ``i`` moves from its
+    timestep to the next one, and the last step counts as the one before it. None when there is nothing to weigh
+    (fewer than two steps, timesteps that do not fall, a length that does not fit).
+
+    >>> relative_step_sizes([981, 961, 941, 921], 4)  # evenly spaced (DDIM): every step weighs 1
+    (1.0, 1.0, 1.0, 1.0)
+    >>> relative_step_sizes([1000.0, 900.0, 600.0], 3)  # steps of 100 and 300 against their mean 200
+    (0.5, 1.5, 1.5)
+    """
+    try:
+        values = np.asarray(timesteps.numpy() if hasattr(timesteps, "numpy") else timesteps, dtype=np.float64)
+    except (TypeError, ValueError, RuntimeError):
+        return None
+    values = values.ravel()
+    if total is None or total < 2 or values.size < total:
+        return None
+    moves = -np.diff(values[values.size - total:])
+    if not np.all(np.isfinite(moves)) or not np.all(moves > 0):
+        return None
+    sizes = (moves / moves.mean()).tolist()
+    return tuple(sizes + sizes[-1:])
+
+
 class Generation:
     """One denoising loop in one thread: ``steps`` is the number of denoising steps the pipeline has finished,
     ``total`` the number its progress bar was given (``total=``, or the length of the timesteps it iterates; None
-    when it has none), so the last step is ``total - 1``."""
+    when it has none), so the last step is ``total - 1``; ``scheduler`` the pipeline's (None outside one), whose
+    timesteps :meth:`step_sizes` reads once, when first asked."""
 
-    __slots__ = ("steps", "outer", "listeners", "total")
+    __slots__ = ("steps", "outer", "listeners", "total", "scheduler", "sizes")
 
-    def __init__(self, outer: Optional["Generation"], total: Optional[int] = None) -> None:
+    def __init__(self, outer: Optional["Generation"], total: Optional[int] = None, scheduler: Any = None) -> None:
         self.steps = 0
         self.outer = outer  # the generation this one is nested in (a pipeline called inside another's loop)
         self.listeners: Optional[List[Callable[[], None]]] = None
         self.total = total
+        self.scheduler = scheduler
+        self.sizes: Any = False  # step_sizes() once read (False: not yet)
+
+    def step_sizes(self) -> Optional[Tuple[float, ...]]:
+        """The loop's :func:`relative_step_sizes` from its scheduler's ``timesteps`` (read once per generation; a
+        scheduler that takes more than one model call per step, such as Heun's, gives None)."""
+        if self.sizes is False:
+            scheduler = self.scheduler
+            usable = scheduler is not None and getattr(scheduler, "order", 1) == 1
+            timesteps = getattr(scheduler, "timesteps", None) if usable else None
+            self.sizes = None if timesteps is None else relative_step_sizes(timesteps, self.total)
+        return self.sizes
 
     def on_finish(self, listener: Callable[[], None]) -> None:
         """Call ``listener()`` (in this thread) when the loop finishes; not when it ends with an exception."""
@@ -121,7 +161,7 @@ def _length(iterable: Any, total: Any) -> Optional[int]:
 
 
 def _progress_bar(self: Any, iterable: Any = None, total: Any = None) -> Any:
-    generation = Generation(THREAD.generation, _length(iterable, total))
+    generation = Generation(THREAD.generation, _length(iterable, total), getattr(self, "scheduler", None))
     THREAD.generation = generation
     bar = _original(self, iterable=iterable, total=total)
     if iterable is not None:

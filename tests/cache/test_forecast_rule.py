@@ -6,12 +6,14 @@ first three steps, the cap and the protected steps; one scalar computed per full
 import numpy as np
 import paddle
 import pytest
+from ppdiffusers import DDIMScheduler, DiffusionPipeline, FlowMatchEulerDiscreteScheduler, KDPM2DiscreteScheduler
 
 import ppdiffusers_tome
 from ppdiffusers_tome.cache import step_cache
 from ppdiffusers_tome.cache.adaptive import cached_steps_ahead, forecast_error
 from ppdiffusers_tome.cache.step_cache import deep_blocks, get_cache
-from ppdiffusers_tome.testing import tiny_sd3_transformer, tiny_sd_pipeline, tiny_unet
+from ppdiffusers_tome.core.generation import relative_step_sizes
+from ppdiffusers_tome.testing import tiny_sd3_pipeline, tiny_sd3_transformer, tiny_sd_pipeline, tiny_unet
 from tests.cache import test_adaptive_cache as adaptive_tests
 from tests.cache.test_adaptive_cache import (
     CallsPerStep,
@@ -61,13 +63,15 @@ CASES = {
 }
 
 
-def reference_rule(work, threshold, max_skips=None):
+def reference_rule(work, threshold, max_skips=None, sizes=None):
     """The rule with the forecast written out in numpy, in float64: ``(full steps, smallest distance of a sum to the
     threshold)``. The steps up to the third full one are full; at each full step ``f2`` after ``f0 < f1`` the error
     ``e = mean|w(f2) - forecast| / mean|forecast|`` of the forecast from ``f0`` and ``f1`` is measured, and the next
     ``n`` steps are cached for the largest ``n`` whose predicted errors ``e * j * (j + h) / (h * (h + h0))``
-    (``j = 1 .. n``) sum to at most ``threshold``."""
+    (``j = 1 .. n``), each times the size of step ``f2 + j`` (``sizes``, the last one past the end; None: 1), sum
+    to at most ``threshold``."""
     work = [w.astype(np.float64) for w in work]
+    sizes = np.ones(len(work)) if sizes is None else np.asarray(sizes, dtype=np.float64)
     full, next_full, margin = [], 0, np.inf
     for step in range(len(work)):
         if step < next_full:
@@ -81,7 +85,8 @@ def reference_rule(work, threshold, max_skips=None):
         error = np.abs(work[f2] - forecast).mean() / np.abs(forecast).mean()
         h, h0 = f2 - f1, f1 - f0
         j = np.arange(1, len(work) + 1, dtype=np.float64)
-        sums = np.cumsum(error * j * (j + h) / (h * (h + h0)))
+        ahead = sizes[np.minimum(f2 + j.astype(int), len(sizes) - 1)]
+        sums = np.cumsum(error * j * (j + h) / (h * (h + h0)) * ahead)
         margin = min(margin, np.abs(sums - threshold).min())
         n = int(np.count_nonzero(sums <= threshold))
         next_full += n if max_skips is None else min(n, max_skips)
@@ -129,6 +134,88 @@ def test_cached_steps_ahead_is_the_largest_count_whose_predicted_errors_fit():
         assert cached_steps_ahead(error, gap, previous, threshold, max(n - 1, 1)) == min(n, max(n - 1, 1))
     assert cached_steps_ahead(float("nan"), 1, 1, 0.15, None) == 0
     assert cached_steps_ahead(0.0, 1, 1, 0.15, 4) == 4  # an exact forecast: only the cap ends the run
+
+
+def test_cached_steps_ahead_weighs_each_predicted_error_by_the_size_of_the_step_it_stands_in_for():
+    sizes = (0.25, 0.25, 0.5, 0.5, 1.0, 2.0)
+    longer = []
+    for error, gap, previous, threshold in [(0.01, 1, 1, 0.15), (0.02, 2, 1, 0.3), (0.004, 3, 3, 0.15)]:
+        n = cached_steps_ahead(error, gap, previous, threshold, None, sizes)
+        size = lambda j: sizes[min(j, len(sizes)) - 1]  # noqa: E731 - past the end: the last size
+        predicted = lambda k: sum(error * j * (j + gap) / (gap * (gap + previous)) * size(j)  # noqa: E731
+                                  for j in range(1, k + 1))
+        assert predicted(n) <= threshold < predicted(n + 1)
+        plain = cached_steps_ahead(error, gap, previous, threshold, None)
+        assert cached_steps_ahead(error, gap, previous, threshold, None, (1.0,) * 4) == plain
+        longer.append(n > plain)
+    assert any(longer)  # small steps ahead: a longer run
+    assert cached_steps_ahead(0.01, 1, 1, 0.15, None, (4.0,)) < cached_steps_ahead(0.01, 1, 1, 0.15, None)
+
+
+def flow_matching_timesteps(steps, shift=3.0):
+    """SD3's sampler's timesteps as ppdiffusers 0.29 sets them, written out: evenly from its largest sigma (1) to
+    its smallest (the shifted 1/1000), then shifted, times 1000."""
+    shifted = lambda s: shift * s / (1.0 + (shift - 1.0) * s)  # noqa: E731
+    return 1000.0 * shifted(np.linspace(1.0, shifted(1e-3), steps))
+
+
+def test_relative_step_sizes_are_the_timesteps_moves_over_their_mean():
+    timesteps = flow_matching_timesteps(12)
+    moves = timesteps[:-1] - timesteps[1:]
+    expected = np.append(moves / moves.mean(), moves[-1] / moves.mean())
+    np.testing.assert_allclose(relative_step_sizes(paddle.to_tensor(timesteps.astype("float32")), 12), expected,
+                               rtol=1e-5)
+    assert expected[0] < 0.5 < 2.0 < expected[-1]  # shift 3: the last step moves about eight times as far as the first
+    tail = moves[4:]  # an img2img loop of 8 steps runs the last 8 timesteps: their 7 moves
+    np.testing.assert_allclose(relative_step_sizes(timesteps, 8), np.append(tail, tail[-1]) / tail.mean())
+    assert relative_step_sizes([999, 979, 959, 939], 4) == (1.0,) * 4  # evenly spaced
+    assert relative_step_sizes([900, 950, 800], 3) is None and relative_step_sizes([900, 800], 3) is None
+    assert relative_step_sizes([900], 1) is None and relative_step_sizes(["a", "b"], 2) is None
+
+
+class Loop(DiffusionPipeline):
+    """A denoising loop over the timesteps of its ``scheduler`` that calls the model with made-up inputs."""
+
+    def __init__(self, transformer, scheduler):
+        super().__init__()
+        self.register_modules(transformer=transformer, scheduler=scheduler)
+        self.set_progress_bar_config(disable=True)
+
+    def __call__(self, make_step, steps):
+        self.scheduler.set_timesteps(steps)
+        with self.progress_bar(total=steps) as bar:
+            for step in range(steps):
+                output(self.transformer, make_step(step))
+                bar.update()
+
+
+def test_in_a_pipeline_the_predicted_errors_are_weighed_by_the_schedulers_step_sizes():
+    build, make_step, record, options, _ = CASES["sd3 whole"]
+    threshold = 0.5
+    model = build()
+    work = record(model)
+    timesteps = flow_matching_timesteps(len(BEND))
+    moves = timesteps[:-1] - timesteps[1:]
+    sizes = np.append(moves, moves[-1]) / moves.mean()
+    expected, margin = reference_rule(work, threshold, sizes=sizes)
+    assert margin > 1e-4 * threshold
+    assert expected != reference_rule(work, threshold)[0]  # the weights change the full steps
+    expected = sorted(set(expected) | {len(BEND) - 1})  # a pipeline's last step is full
+    loop = Loop(ppdiffusers_tome.apply_cache(model, threshold=threshold, forecast="linear", **options),
+                FlowMatchEulerDiscreteScheduler(shift=3.0))
+    loop(make_step, len(BEND))
+    np.testing.assert_allclose(loop.scheduler.timesteps.numpy(), timesteps, rtol=1e-5)
+    assert ppdiffusers_tome.cache_status(model)["SD3Transformer2DModel"]["last_full_steps"] == expected
+
+
+@pytest.mark.parametrize("scheduler", [DDIMScheduler, KDPM2DiscreteScheduler])
+def test_evenly_spaced_timesteps_or_two_calls_per_step_weigh_every_step_alike(scheduler):
+    build, make_step, record, options, _ = CASES["sd3 whole"]
+    model = build()
+    expected = sorted(set(reference_rule(record(model), 0.5)[0]) | {len(BEND) - 1})
+    loop = Loop(ppdiffusers_tome.apply_cache(model, threshold=0.5, forecast="linear", **options), scheduler())
+    loop(make_step, len(BEND))
+    assert ppdiffusers_tome.cache_status(model)["SD3Transformer2DModel"]["last_full_steps"] == expected
 
 
 # protected steps, the cap, what is read ----------------------------------------------------------------------------
@@ -205,3 +292,22 @@ def test_a_pipeline_call_the_rule_cached_nothing_in_warns_naming_the_forecast_an
     with pytest.warns(UserWarning, match=r"ran every call .* in full .*threshold=1e-06 and forecast='linear' .*"
                                          r"needs three full steps first; the first and the last step .*a larger"):
         run(pipe, steps=4)
+
+
+@pytest.mark.parametrize("kind", ["txt2img", "img2img"])
+def test_sd3_pipelines_weigh_the_steps_by_their_schedulers_timesteps(kind, monkeypatch):
+    from tests.test_sd3_model import call, init_picture
+
+    seen = []
+    real = step_cache.cached_steps_ahead
+    monkeypatch.setattr(step_cache, "cached_steps_ahead", lambda *args: seen.append(args[5]) or real(*args))
+    pipe = tiny_sd3_pipeline(kind, seed=0)
+    pipe.transformer.apply_cache(whole_model=True, threshold=1e6, max_skips=1, forecast="linear")
+    extra = dict(image=init_picture(0), strength=0.6) if kind == "img2img" else {}
+    call(pipe, steps=10, **extra)
+    timesteps = flow_matching_timesteps(10)[4 if kind == "img2img" else 0:]  # strength 0.6: the last 6 of 10
+    moves = timesteps[:-1] - timesteps[1:]
+    sizes = np.append(moves, moves[-1]) / moves.mean()
+    full = ppdiffusers_tome.cache_status(pipe)["transformer"]["last_full_steps"]
+    assert len(seen) == len([f for f in full if f >= 2]) > 0  # one measurement per full step from the third
+    np.testing.assert_allclose(seen[0], sizes[3:], rtol=1e-5)  # measured at step 2: the steps from 3 on
