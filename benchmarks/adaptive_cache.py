@@ -10,7 +10,9 @@ For one model and one number of steps ``N``, every configuration below runs from
   rule then decides on the forecast's own error);
 * ``whole-model T`` and ``whole-model T + forecast``: the whole-model cache (what SD3 built with
   ``INFERENCE_OPTIMIZE=True`` takes) with the adaptive rule, on every model; ``whole-model interval 2`` / ``3`` /
-  ``4``, with and without ``+ forecast``: the same cache at a fixed interval;
+  ``4``, with and without ``+ forecast``: the same cache at a fixed interval; with ``--full-steps``,
+  ``whole-model full steps + forecast``: the same cache with the forecast on the given full steps (the schedule the
+  rule chose on another model, replayed: on random weights, the speed of a trained model's decisions);
 * each of the above again with merging: ``+ ToMe 0.5`` on the shapes models, ``+ ToDo`` on SD3's layout
   (``--merge``).
 
@@ -84,7 +86,7 @@ class Config:
 
 
 def configurations(steps: int, thresholds: Sequence[float] = THRESHOLDS,
-                   merge: Optional[str] = "tome") -> Dict[str, Config]:
+                   merge: Optional[str] = "tome", schedule: Optional[Sequence[int]] = None) -> Dict[str, Config]:
     """Every configuration for ``steps`` denoising steps, by name, vanilla first (see the module docstring).
 
     >>> names = list(configurations(20, thresholds=(0.15,), merge=None))
@@ -108,6 +110,9 @@ def configurations(steps: int, thresholds: Sequence[float] = THRESHOLDS,
               for k in (2, 3, 4)]
     plain += [Config(f"whole-model interval {k} + forecast", "whole-model interval + forecast", steps,
                      dict(whole_model=True, interval=k, forecast="linear")) for k in (2, 3, 4)]
+    if schedule:
+        plain.append(Config("whole-model full steps + forecast", "whole-model full steps + forecast", steps,
+                            dict(whole_model=True, full_steps=tuple(schedule), forecast="linear")))
     configs = {config.name: config for config in plain}
     if merge is not None:
         label, options = MERGES[merge]
@@ -388,7 +393,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                          "flow-matching Euler")
     model = ShapesModel(args) if trained else SD3Model(args)
     merge = None if args.merge == "none" else args.merge or ("todo" if args.model == "sd3" else "tome")
-    configs = configurations(args.steps, args.thresholds, merge)
+    configs = configurations(args.steps, args.thresholds, merge, args.full_steps)
     names = ["vanilla"] + [name for name in (args.configs or list(configs)) if name != "vanilla"]
     unknown = [name for name in names if name not in configs]
     if unknown:
@@ -424,6 +429,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         "version": ppdiffusers_tome.__version__,
         "environment": environment(threads, "float32"),
         "settings": {"model": args.model, "steps": args.steps, "seeds": args.seeds, "thresholds": list(args.thresholds),
+                     **({"full_steps": list(args.full_steps)} if args.full_steps else {}),
                      "merge": merge, "scheduler": args.scheduler or ("ddim" if args.model == "shapes" else
                                                                      "flow-match euler"),
                      **({"prompts": args.prompts, "batch": args.batch} if trained else
@@ -490,6 +496,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--thresholds", type=float, nargs="+", default=list(THRESHOLDS))
     parser.add_argument("--merge", choices=("tome", "todo", "none"), default=None,
                         help="merging added to every configuration (default: tome on shapes, todo on sd3)")
+    parser.add_argument("--full-steps", type=int, nargs="+", default=None, metavar="STEP",
+                        help="the full steps of the configuration 'whole-model full steps + forecast'")
     parser.add_argument("--seeds", type=int, default=3, help="initial-latent seeds")
     parser.add_argument("--prompts", type=int, default=16, help="shapes: held-out captions per seed")
     parser.add_argument("--batch", type=int, default=16, help="shapes: images per pipeline call")

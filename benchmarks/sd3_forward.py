@@ -34,6 +34,7 @@ from typing import Any, Dict, List
 
 import numpy as np
 import paddle
+from ppdiffusers import DiffusionPipeline
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -238,6 +239,16 @@ LOOP_CONFIGS: Dict[str, Dict[str, Any]] = {
 }
 
 
+class _Loop(DiffusionPipeline):
+    """The loop's pipeline object, for its progress bar: as in a pipeline, it tells a step cache the loop's last step
+    and its scheduler's step sizes."""
+
+    def __init__(self, scheduler: Any) -> None:
+        super().__init__()
+        self.register_modules(scheduler=scheduler)
+        self.set_progress_bar_config(disable=True)
+
+
 def denoise(model: Any, size: int, steps: int, seed: int) -> np.ndarray:
     """A flow-matching Euler loop of ``steps`` steps (SD3's sampler, shift 3) on the transformer alone, batch 2 (one
     image with guidance, scale 7): the final latents. No text encoder, no VAE: the transformer is what is timed."""
@@ -249,7 +260,7 @@ def denoise(model: Any, size: int, steps: int, seed: int) -> np.ndarray:
     latents = kwargs.pop("hidden_states")[:1]
     ppdiffusers_tome.reset_cache(model)
     with paddle.no_grad():
-        for t in scheduler.timesteps:
+        for t in _Loop(scheduler).progress_bar(scheduler.timesteps):
             velocity = model(hidden_states=paddle.concat([latents, latents]), timestep=t.expand([2]),
                              return_dict=False, **{k: v for k, v in kwargs.items() if k != "timestep"})[0]
             uncond, cond = velocity.chunk(2)

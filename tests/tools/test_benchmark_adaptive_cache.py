@@ -85,11 +85,13 @@ def test_the_feature_distance_and_the_summary_follow_from_their_inputs(bench):
 
 def test_a_short_run_on_a_tiny_sd3_layout_writes_a_consistent_record_and_its_plot(bench, tmp_path, capsys):
     args = ["--model", "sd3", "--width", "64", "--layers", "3", "--size", "96", "--steps", "4", "--seeds", "1",
-            "--thresholds", "5", "--threads", "1", "--output", str(tmp_path), "--configs", "interval 2",
-            "adaptive 5"]
+            "--thresholds", "5", "--threads", "1", "--output", str(tmp_path), "--full-steps", "0", "3", "--configs",
+            "interval 2", "adaptive 5", "whole-model full steps + forecast"]
     assert bench.main(args) == 0
     data = json.loads((tmp_path / "results.json").read_text(encoding="utf-8"))
-    assert list(data["summary"]) == ["vanilla", "interval 2", "adaptive 5"]
+    assert list(data["summary"]) == ["vanilla", "interval 2", "adaptive 5", "whole-model full steps + forecast"]
+    assert data["settings"]["full_steps"] == [0, 3] and data["per_seed"]["whole-model full steps + forecast"][0][
+        "full_steps"] == 2  # the replayed schedule: steps 0 and 3 of 4
     vanilla, interval = data["per_seed"]["vanilla"][0], data["per_seed"]["interval 2"][0]
     assert interval["speedup"] == pytest.approx(vanilla["seconds"] / interval["seconds"])
     adaptive = data["per_seed"]["adaptive 5"][0]
@@ -100,7 +102,7 @@ def test_a_short_run_on_a_tiny_sd3_layout_writes_a_consistent_record_and_its_plo
     table = lambda out: [line for line in out.splitlines() if "|" in line]  # noqa: E731
     written = table(capsys.readouterr().out)
     assert bench.main(["--render", str(tmp_path / "results.json")]) == 0
-    assert table(capsys.readouterr().out) == written and len(written) == 4  # header, three rows
+    assert table(capsys.readouterr().out) == written and len(written) == 5  # header, four rows
 
 
 def test_combined_runs_take_the_median_and_range_of_the_runs_speed_ups_and_refuse_other_settings(bench, tmp_path,
