@@ -12,7 +12,7 @@ import os as _os
 import sys as _sys
 from typing import Any as _Any, List as _List, Optional as _Optional, Sequence as _Sequence
 
-__version__ = "0.17.0"
+__version__ = "0.18.0"
 
 from . import compat as _compat  # 0.14's import paths (ppdiffusers_tome.config, ...), until 0.17
 
