@@ -18,7 +18,11 @@ PyTorch. The loop: flow-match Euler over ``--steps`` steps (SD3's sigmas, shift 
   device, only not read: the difference to ``adaptive-T`` is the read and the CPU/GPU overlap it costs;
 - ``adaptive-T+forecast``: the segment's contribution extrapolated linearly from the last two full steps;
 - ``whole-T``, ``whole-interval-k`` (``+forecast`` too): the whole-model cache, signal = the model's input; a full
-  step keeps output - input, a cached one returns input + that; ``whole-0`` (every step full) must time as vanilla.
+  step keeps output - input, a cached one returns input + that; ``whole-0`` (every step full) must time as vanilla;
+- ``whole-steps-0.1.2.4.7...+forecast``: the whole-model cache on the listed full steps (and the last) with the
+  forecast and the cost of the package's rule with the forecast (0.17.0 on): from the third full step on, each full
+  step measures the forecast's error on the kept work and reads it with one ``.item()`` (a replay of the schedule
+  the rule chose on a trained model).
 
 Random weights make the rule's skip counts arbitrary: each mode reports its full and cached steps, vanilla's ms per
 (full) step and a derived ms per cached step ((loop - full x vanilla's step) / cached), to cost any schedule;
@@ -154,6 +158,8 @@ class Rule:
     def _decide(self, i, signal, last):
         if self.spec["rule"] == "interval":
             return self.kept is None or i % self.spec["k"] == 0 or last
+        if self.spec["rule"] == "steps":
+            return self.kept is None or i in self.spec["full"] or last
         if self.source is not None:  # replay: the same device work, no read
             if i in self.source[1]:
                 relative_change(signal, self.previous)
@@ -179,6 +185,9 @@ class Rule:
         return i + 1 < self.steps - 1 and (i + 1) % self.spec["k"] != 0
 
     def keep(self, i, work):
+        if self.spec["rule"] == "steps" and self.spec["forecast"] and self.earlier is not None:
+            relative_change(work[0], self.work(i)[0]).item()  # the rule's error at a full step: one read
+            self.reads.append(i)
         self.earlier = self.kept if self.spec["forecast"] else None
         self.kept = (i, work)
 
@@ -201,6 +210,9 @@ def parse_mode(name):
     m = re.fullmatch(r"(whole-)?interval-(\d+)", base)
     if m and int(m.group(2)) >= 1:
         return dict(spec, layout="whole" if m.group(1) else "block", rule="interval", k=int(m.group(2)))
+    m = re.fullmatch(r"whole-steps-(\d+(?:\.\d+)*)", base)
+    if m:
+        return dict(spec, layout="whole", rule="steps", full={int(k) for k in m.group(1).split(".")})
     m = re.fullmatch(r"adaptive-replay-(\d+(?:\.\d*)?)", base)
     if m:
         return dict(spec, layout="block", rule="replay", threshold=float(m.group(1)),
