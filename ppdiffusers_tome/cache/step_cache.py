@@ -290,7 +290,7 @@ class StepCache:
             return 0
         error = float(forecast_error(*work, kept.step, earlier.step, before.step))
         current = generation.current()
-        sizes = None if current is None else current.step_sizes() if current.sizes is False else current.sizes
+        sizes = current.step_sizes() if current is not None else None
         return cached_steps_ahead(error, kept.step - earlier.step, earlier.step - before.step, self.threshold,
                                   self.max_skips, sizes[kept.step + 1:] if sizes else None)
 

@@ -82,7 +82,7 @@ class Generation:
         self.listeners: Optional[List[Callable[[], None]]] = None
         self.total = total
         self.scheduler = scheduler
-        self.sizes: Any = False  # step_sizes() once read (False: not yet)
+        self.sizes: Any = False  # what step_sizes() read (False: not read yet)
 
     def step_sizes(self) -> Optional[Tuple[float, ...]]:
         """The loop's :func:`relative_step_sizes` from its scheduler's ``timesteps`` (read once per generation; a

@@ -159,15 +159,20 @@ def flow_matching_timesteps(steps, shift=3.0):
     return 1000.0 * shifted(np.linspace(1.0, shifted(1e-3), steps))
 
 
+def numpy_step_sizes(timesteps):
+    """Each step's move in the timestep over the mean move, the last step as the one before it, in float64."""
+    moves = timesteps[:-1] - timesteps[1:]
+    return np.append(moves, moves[-1]) / moves.mean()
+
+
 def test_relative_step_sizes_are_the_timesteps_moves_over_their_mean():
     timesteps = flow_matching_timesteps(12)
-    moves = timesteps[:-1] - timesteps[1:]
-    expected = np.append(moves / moves.mean(), moves[-1] / moves.mean())
+    expected = numpy_step_sizes(timesteps)
     np.testing.assert_allclose(relative_step_sizes(paddle.to_tensor(timesteps.astype("float32")), 12), expected,
                                rtol=1e-5)
     assert expected[0] < 0.5 < 2.0 < expected[-1]  # shift 3: the last step moves about eight times as far as the first
-    tail = moves[4:]  # an img2img loop of 8 steps runs the last 8 timesteps: their 7 moves
-    np.testing.assert_allclose(relative_step_sizes(timesteps, 8), np.append(tail, tail[-1]) / tail.mean())
+    # an img2img loop of 8 steps runs the last 8 timesteps
+    np.testing.assert_allclose(relative_step_sizes(timesteps, 8), numpy_step_sizes(timesteps[4:]))
     assert relative_step_sizes([999, 979, 959, 939], 4) == (1.0,) * 4  # evenly spaced
     assert relative_step_sizes([900, 950, 800], 3) is None and relative_step_sizes([900, 800], 3) is None
     assert relative_step_sizes([900], 1) is None and relative_step_sizes(["a", "b"], 2) is None
@@ -195,9 +200,7 @@ def test_in_a_pipeline_the_predicted_errors_are_weighed_by_the_schedulers_step_s
     model = build()
     work = record(model)
     timesteps = flow_matching_timesteps(len(BEND))
-    moves = timesteps[:-1] - timesteps[1:]
-    sizes = np.append(moves, moves[-1]) / moves.mean()
-    expected, margin = reference_rule(work, threshold, sizes=sizes)
+    expected, margin = reference_rule(work, threshold, sizes=numpy_step_sizes(timesteps))
     assert margin > 1e-4 * threshold
     assert expected != reference_rule(work, threshold)[0]  # the weights change the full steps
     expected = sorted(set(expected) | {len(BEND) - 1})  # a pipeline's last step is full
@@ -306,8 +309,7 @@ def test_sd3_pipelines_weigh_the_steps_by_their_schedulers_timesteps(kind, monke
     extra = dict(image=init_picture(0), strength=0.6) if kind == "img2img" else {}
     call(pipe, steps=10, **extra)
     timesteps = flow_matching_timesteps(10)[4 if kind == "img2img" else 0:]  # strength 0.6: the last 6 of 10
-    moves = timesteps[:-1] - timesteps[1:]
-    sizes = np.append(moves, moves[-1]) / moves.mean()
+    sizes = numpy_step_sizes(timesteps)
     full = ppdiffusers_tome.cache_status(pipe)["transformer"]["last_full_steps"]
     assert len(seen) == len([f for f in full if f >= 2]) > 0  # one measurement per full step from the third
     np.testing.assert_allclose(seen[0], sizes[3:], rtol=1e-5)  # measured at step 2: the steps from 3 on
